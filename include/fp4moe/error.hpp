@@ -1,0 +1,36 @@
+// Errors: every failed check throws fp4moe::Error with the file, line and a sentence that names the
+// argument, its value and the rule it broke. Never a bare status code.
+#pragma once
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
+
+namespace fp4moe {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A config or shape that cannot be launched (resources, alignment): a distinct type so that callers
+// (explain, the tuner) can tell "does not fit" from "bad input".
+class ResourceError : public Error {
+ public:
+  using Error::Error;
+};
+
+[[noreturn]] inline void throw_error(const char* file, int line, const std::string& msg) {
+  throw Error(fmt::format("fp4moe: {} ({}:{})", msg, file, line));
+}
+
+}  // namespace fp4moe
+
+// FP4MOE_REQUIRE(cond, "fmt", args...): the message must name the argument, the value and the rule,
+// e.g. FP4MOE_REQUIRE(k % 16 == 0, "K = {} must be a multiple of 16 (the NVFP4 block)", k).
+#define FP4MOE_REQUIRE(cond, ...)                                               \
+  do {                                                                          \
+    if (!(cond)) ::fp4moe::throw_error(__FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
+  } while (0)
+
+#define FP4MOE_FAIL(...) ::fp4moe::throw_error(__FILE__, __LINE__, fmt::format(__VA_ARGS__))

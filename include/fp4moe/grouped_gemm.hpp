@@ -1,0 +1,77 @@
+// Grouped (per-expert) GEMM with NVFP4 weights and bf16 activations: the host API.
+//
+//   out[r, n] = epilogue( sum_k act[r, k] * W_e[n, k] )   for every row r of expert e
+//
+// Rows are in expert-sorted order; expert e owns rows [offsets[e], offsets[e+1]) (device array, so no
+// host synchronization is needed and the call is CUDA-graph capturable). W_e is NVFP4:
+// e2m1 codes * E4M3 block scale (16 along K) * FP32 global scale, repacked once by repack_nvfp4_*.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "fp4moe/tile_config.hpp"
+
+namespace fp4moe {
+
+enum class GemmEpilogue {
+  kPlain,         // out[r, n] = (acc * global + bias[e, n]) * row_scale[r]           -> [rows, N]
+  kSwiGLU,        // out[r, j] = silu(gate_j) * up_j                                 -> [rows, N/2]
+  kGptOssSwiGLU,  // gate=min(g,limit), up=clamp(u,-limit,limit), (up+1)*gate*sigmoid(alpha*gate)
+};
+
+// Repacked weights of all experts of one GEMM, in device memory (see repack_nvfp4_weights).
+struct GroupedWeightsView {
+  int num_experts = 0;
+  int64_t n = 0;                            // output features per expert
+  int64_t k = 0;                            // reduction size
+  bool gate_up_interleaved = false;         // repacked for a SwiGLU epilogue (first N/2 rows gate)
+  const uint8_t* codes = nullptr;           // repacked e2m1 codes, E * n * k / 2 bytes
+  const uint8_t* scales = nullptr;          // repacked block scales, E * n * k / 16 bytes
+  const float* global_scale = nullptr;      // [E]: dequant multiplier (ModelOpt weight_scale_2)
+  const float* global_scale_up = nullptr;   // [E] or null: the up half's own global scale (SwiGLU)
+  const float* bias = nullptr;              // [E, n] fp32 or null (gpt-oss), rows of the on-disk order
+};
+
+struct GroupedGemmArgs {
+  const void* act = nullptr;                // bf16 [max_rows, k], row stride k, 16-byte aligned
+  const int32_t* expert_offsets = nullptr;  // device [E + 1], non-decreasing, offsets[E] <= max_rows
+  int64_t max_rows = 0;                     // capacity the buffers were sized for
+  const float* row_scale = nullptr;         // [max_rows] or null (router weights, plain epilogue only)
+  void* out = nullptr;                      // bf16 [max_rows, n] or [max_rows, n/2] for SwiGLU
+  GemmEpilogue epilogue = GemmEpilogue::kPlain;
+  float swiglu_alpha = 1.702f;
+  float swiglu_limit = 7.0f;
+};
+
+// Validates (shapes, alignment, config fits) and launches; never synchronizes, allocates nothing.
+// Throws fp4moe::Error naming the argument, the value and the rule.
+void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args, const TileConfig& cfg,
+                        cudaStream_t stream);
+
+// The configuration the heuristic picks for a problem (rows_per_expert = expected rows of an active
+// expert, e.g. T * top_k / E).
+TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, int num_sms);
+
+// ---- Offline repack: on-disk (ModelOpt) layout -> kernel layout ----
+// codes: [n, k/2] bytes, element 2i in the low nibble; scales: [n, k/16] E4M3, row-major.
+// gate_up_interleave: the n rows are [gate (n/2 rows); up (n/2 rows)] and are interleaved per 16-row
+// tile (8 gate rows, then the same 8 up rows) so SwiGLU happens in registers.
+// Requirements (checked): n % 16 == 0, k % 64 == 0, scales finite and >= 0 (a zero scale block must
+// have zero codes' value; it is stored as the smallest scale with zero codes).
+size_t repacked_codes_bytes(int64_t n, int64_t k);
+size_t repacked_scales_bytes(int64_t n, int64_t k);
+void repack_nvfp4_weights(const uint8_t* codes, const uint8_t* scales, int64_t n, int64_t k,
+                          bool gate_up_interleave, uint8_t* codes_out, uint8_t* scales_out);
+// The inverse (tests): kernel layout -> on-disk layout.
+void unpack_nvfp4_weights(const uint8_t* codes_in, const uint8_t* scales_in, int64_t n, int64_t k,
+                          bool gate_up_interleave, uint8_t* codes, uint8_t* scales);
+// The same repack on the device, for weights already in device memory (one expert per call,
+// or num_experts consecutive experts of identical shape).
+void repack_nvfp4_weights_device(const uint8_t* codes, const uint8_t* scales, int num_experts, int64_t n,
+                                 int64_t k, bool gate_up_interleave, uint8_t* codes_out,
+                                 uint8_t* scales_out, cudaStream_t stream);
+
+}  // namespace fp4moe

@@ -1,0 +1,78 @@
+// Tile configurations of the grouped NVFP4 GEMM and the one constexpr shared-memory layout that both
+// the kernel (to carve its dynamic shared memory, static_assert'ed) and the host (planner, explain,
+// launch checks) use. A config is a plain struct; the instantiated set is the explicit list below.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fp4moe {
+
+inline constexpr int kMaxExperts = 512;       // routing and the GEMM tile scheduler support up to this
+inline constexpr int kMaxTopK = 16;
+
+struct TileConfig {
+  int bn = 128;     // output features per CTA tile; multiple of 16 * warps
+  int bt = 64;      // tokens (rows) per CTA tile; multiple of 8
+  int bk = 128;     // K per pipeline stage; multiple of 64
+  int stages = 4;   // cp.async pipeline depth
+  int warps = 8;    // math warps; warp w owns m16 tiles [w*wm, (w+1)*wm) of the feature tile
+
+  constexpr int wm() const { return bn / (16 * warps); }
+  constexpr int threads() const { return warps * 32; }
+  constexpr bool operator==(const TileConfig&) const = default;
+  std::string name() const;  // "bn128_bt64_bk128_s4_w8"
+};
+
+// Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:
+//   [stage 0 .. stages-1] each = codes | scales | activations   (every part 128-byte aligned)
+//   [scheduler] (kMaxExperts + 1) int32 tile prefix + 1 int32 total, 128-byte aligned
+// The epilogue stores from registers, so the next tile's loads stay in flight during it (no bytes).
+struct GemmSmemLayout {
+  size_t codes_bytes;    // per stage: (bn/16) m-tiles x (bk/64) chunks x 512 B
+  size_t scales_bytes;   // per stage: (bn/16) x (bk/64) x 64 B
+  size_t act_bytes;      // per stage: bt x bk x 2 B (bf16)
+  size_t stage_bytes;
+  size_t sched_offset;
+  size_t sched_bytes;
+  size_t total_bytes;    // dynamic shared memory requested at launch
+};
+
+constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
+  GemmSmemLayout l{};
+  l.codes_bytes = align_up(static_cast<size_t>(c.bn / 16) * (c.bk / 64) * 512, 128);
+  l.scales_bytes = align_up(static_cast<size_t>(c.bn / 16) * (c.bk / 64) * 64, 128);
+  l.act_bytes = align_up(static_cast<size_t>(c.bt) * c.bk * 2, 128);
+  l.stage_bytes = l.codes_bytes + l.scales_bytes + l.act_bytes;
+  l.sched_offset = l.stage_bytes * c.stages;
+  l.sched_bytes = align_up((kMaxExperts + 2) * sizeof(int32_t), 128);
+  l.total_bytes = l.sched_offset + l.sched_bytes;
+  return l;
+}
+
+// Static validity (what types decide). Runtime validity against a GPU (smem, registers) is the
+// planner's job (planner.hpp).
+constexpr bool tile_config_well_formed(const TileConfig& c) {
+  return c.warps > 0 && c.bn > 0 && c.bn % (16 * c.warps) == 0 && c.wm() >= 1 && c.wm() <= 2 &&
+         c.bt % 8 == 0 && c.bt >= 8 && c.bt <= 128 && c.bk % 64 == 0 && c.bk >= 64 && c.stages >= 2;
+}
+
+// The bounded instantiation list of the sm80-nvfp4-grouped kernel (mma.sync m16n8k16 bf16 with NVFP4
+// weights dequantized in registers; runs on sm_80 and newer, the Hopper path today).
+inline constexpr TileConfig kGemmConfigs[] = {
+    // decode: few rows per expert; 8 warps share one 128-feature tile, deep pipelines
+    {128, 16, 128, 6, 8},
+    {128, 32, 128, 5, 8},
+    {128, 64, 128, 4, 8},
+    {64, 16, 128, 8, 4},
+    {64, 64, 128, 4, 4},
+    // prefill: each warp owns two m16 tiles so B fragments are reused twice
+    {256, 64, 64, 4, 8},
+    {256, 128, 64, 3, 8},
+    {128, 128, 64, 4, 4},
+};
+inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);
+
+}  // namespace fp4moe
