@@ -1,6 +1,137 @@
+// `fp4moe bench`: GPU benchmarks with the ceilings and the bf16 baseline measured in the same run.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "bench_common.hpp"
 #include "commands.hpp"
+#include "fp4moe/config.hpp"
+#include "fp4moe/cuda_check.hpp"
+#include "gemm_bench.hpp"
+#include "layer_bench.hpp"
 
 namespace fp4moe::cli {
-// Not implemented yet: registers nothing, so it does not appear in --help.
-void register_bench(CLI::App&) {}
+namespace {
+
+struct BenchArgs {
+  std::string model = "glm-5";
+  std::string mode = "layer";
+  std::vector<int64_t> tokens;
+  bool no_baseline = false;
+  bool breakdown = false;
+  int reps = 20;
+  std::string json;
+  std::string tile1, tile2;
+};
+
+TileConfig parse_tile(const std::string& s) {
+  TileConfig c;
+  FP4MOE_REQUIRE(std::sscanf(s.c_str(), "%dx%dx%dx%dx%d", &c.bn, &c.bt, &c.bk, &c.stages, &c.warps) == 5,
+                 "--tile '{}' must be BNxBTxBKxSTAGESxWARPS, e.g. 128x32x128x5x8", s);
+  return c;
+}
+
+// The device machine gets a copy of the tree without git history: scripts/device_run.sh passes the
+// commit in FP4MOE_COMMIT.
+std::string commit_id() {
+  const char* c = std::getenv("FP4MOE_COMMIT");
+  return c ? c : "unknown";
+}
+
+void run_gemm_mode(const BenchArgs& a, const MoeConfig& cfg, const bench::Ceilings& c, cudaStream_t s,
+                   nlohmann::json& out) {
+  bench::GemmBenchOptions o;
+  o.tokens = a.tokens.empty() ? std::vector<int64_t>{1, 8, 32, 128, 512, 1024, 4096, 16384} : a.tokens;
+  o.baseline = !a.no_baseline;
+  o.reps = a.reps;
+  if (!a.tile1.empty()) o.force1 = parse_tile(a.tile1);
+  if (!a.tile2.empty()) o.force2 = parse_tile(a.tile2);
+  const auto rows = bench::run_gemm_bench(cfg, o, s);
+  std::printf("\n%s expert GEMMs (GEMM1 N=%lld K=%lld SwiGLU + GEMM2 N=%lld K=%lld), NVFP4 weights, bf16 activations\n",
+              cfg.name.c_str(), (long long)cfg.gemm1_n(), (long long)cfg.gemm1_k(), (long long)cfg.gemm2_n(),
+              (long long)cfg.gemm2_k());
+  std::printf("%7s %6s %10s %8s %7s %8s %7s %9s %7s %8s  %s\n", "tokens", "active", "fp4 us", "TB/s", "xread", "TFLOP/s",
+              "xbf16", "bf16 us", "speedup", "x floor", "configs (GEMM1 | GEMM2)");
+  for (const auto& r : rows) {
+    const double tbps = r.weight_bytes / (r.fp4_us * 1e-6) / 1e12;
+    const double tflops = r.flops / (r.fp4_us * 1e-6) / 1e12;
+    const double floor_us = r.weight_bytes / (c.stream_read_tbps * 1e12) * 1e6;
+    std::printf("%7lld %6d %10.1f %8.2f %7.3f %8.1f %7.3f %9.1f %7.2f %8.2f  %s | %s\n", (long long)r.tokens,
+                r.active_experts, r.fp4_us, tbps, tbps / c.stream_read_tbps, tflops, tflops / c.bf16_tflops, r.bf16_us,
+                r.bf16_us > 0 ? r.bf16_us / r.fp4_us : 0.0, r.fp4_us / floor_us, r.cfg1.name().c_str(),
+                r.cfg2.name().c_str());
+    out["gemm"].push_back({{"tokens", r.tokens},
+                           {"active_experts", r.active_experts},
+                           {"weight_bytes", r.weight_bytes},
+                           {"flops", r.flops},
+                           {"fp4_us", r.fp4_us},
+                           {"weight_tbps", tbps},
+                           {"ratio_stream_read", tbps / c.stream_read_tbps},
+                           {"tflops", tflops},
+                           {"ratio_bf16_gemm", tflops / c.bf16_tflops},
+                           {"bf16_baseline_us", r.bf16_us},
+                           {"speedup_vs_bf16", r.bf16_us > 0 ? r.bf16_us / r.fp4_us : 0.0},
+                           {"time_over_weight_floor", r.fp4_us / floor_us},
+                           {"config_gemm1", r.cfg1.name()},
+                           {"config_gemm2", r.cfg2.name()}});
+  }
+}
+
+}  // namespace
+
+void register_bench(CLI::App& app) {
+  auto args = std::make_shared<BenchArgs>();
+  auto* sub = app.add_subcommand("bench", "Benchmark on the GPU: ceilings, bf16 baseline, fp4moe (needs a CUDA GPU)");
+  sub->add_option("--model", args->model, "preset (see `fp4moe run --help`)")->capture_default_str();
+  sub->add_option("--mode", args->mode, "layer (whole MoE layer), gemm (the two expert GEMMs) or both")
+      ->check(CLI::IsMember({"layer", "gemm", "both"}))
+      ->capture_default_str();
+  sub->add_option("--tokens", args->tokens, "token counts (default: the issue's list for the mode)")->delimiter(',');
+  sub->add_flag("--no-baseline", args->no_baseline, "skip the bf16 baseline");
+  sub->add_flag("--breakdown", args->breakdown, "layer mode: time each stage");
+  sub->add_option("--reps", args->reps, "timed graph replays per measurement (median reported)")->capture_default_str();
+  sub->add_option("--json", args->json, "also write the results as JSON to this file");
+  sub->add_option("--tile1", args->tile1, "gemm mode: force GEMM1's config BNxBTxBKxSTAGESxWARPS");
+  sub->add_option("--tile2", args->tile2, "gemm mode: force GEMM2's config");
+  sub->callback([args] {
+    FP4MOE_REQUIRE(gpu_available(), "bench needs a CUDA GPU and none was found (try `fp4moe run` for the CPU reference)");
+    const MoeConfig& cfg = preset(args->model);
+    cudaStream_t s;
+    FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    std::fprintf(stderr, "measuring ceilings...\n");
+    const bench::Ceilings c = bench::measure_ceilings(s);
+    int driver = 0, runtime = 0;
+    FP4MOE_CUDA_CHECK(cudaDriverGetVersion(&driver));
+    FP4MOE_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+    std::printf("GPU: %s  (driver %d, runtime %d), fp4moe %s, commit %s\n", c.gpu.c_str(), driver, runtime,
+                FP4MOE_VERSION, commit_id().c_str());
+    std::printf("ceilings measured in this run: streaming read %.2f TB/s, cuBLAS bf16 GEMM 8192^3 %.1f TFLOP/s\n",
+                c.stream_read_tbps, c.bf16_tflops);
+    nlohmann::json out = {{"gpu", c.gpu},
+                          {"driver", driver},
+                          {"runtime", runtime},
+                          {"commit", commit_id()},
+                          {"model", cfg.name},
+                          {"ceilings", {{"stream_read_tbps", c.stream_read_tbps}, {"bf16_gemm_tflops", c.bf16_tflops}}}};
+    if (args->mode == "gemm" || args->mode == "both") run_gemm_mode(*args, cfg, c, s, out);
+    if (args->mode == "layer" || args->mode == "both") {
+      bench::LayerBenchOptions o;
+      o.tokens = args->tokens;
+      o.baseline = !args->no_baseline;
+      o.breakdown = args->breakdown;
+      o.reps = args->reps;
+      bench::run_layer_bench(cfg, o, c, s, out);
+    }
+    if (!args->json.empty()) {
+      std::ofstream f(args->json);
+      FP4MOE_REQUIRE(f.good(), "--json {}: cannot open for writing", args->json);
+      f << out.dump(2) << "\n";
+    }
+    FP4MOE_CUDA_CHECK(cudaStreamDestroy(s));
+  });
+}
+
 }  // namespace fp4moe::cli

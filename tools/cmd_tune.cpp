@@ -1,6 +1,130 @@
+// `fp4moe tune`: times every planner-valid config of the grouped GEMM per token bucket on the present
+// GPU and writes the JSON cache that tuned_config() reads (format: tune/README.md).
+#include <cctype>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <sstream>
+
+#include <fmt/format.h>
+
 #include "commands.hpp"
+#include "fp4moe/config.hpp"
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/error.hpp"
+#include "fp4moe/tuner.hpp"
 
 namespace fp4moe::cli {
-// Not implemented yet: registers nothing, so it does not appear in --help.
-void register_tune(CLI::App&) {}
+
+namespace {
+
+struct TuneArgs {
+  std::string model;
+  std::string buckets = "1,8,32,128,512,1024,4096";
+  std::string out;
+  int64_t n = 0, k = 0;
+  int experts = 0, top_k = 0;
+  std::string epilogue = "plain";
+  int reps = 15, warmup = 3;
+  bool quiet = false;
+};
+
+std::vector<int64_t> parse_buckets(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    try {
+      size_t pos = 0;
+      const long long v = std::stoll(item, &pos);
+      if (pos != item.size() || v < 1) throw std::invalid_argument(item);
+      out.push_back(v);
+    } catch (const std::exception&) {
+      FP4MOE_FAIL("--buckets: '{}' is not a positive token count (expected e.g. 1,8,32)", item);
+    }
+  }
+  FP4MOE_REQUIRE(!out.empty(), "--buckets '{}' lists no token counts", s);
+  return out;
+}
+
+}  // namespace
+
+void register_tune(CLI::App& app) {
+  auto a = std::make_shared<TuneArgs>();
+  CLI::App* cmd = app.add_subcommand("tune", "Time every valid GEMM tile config per token bucket; write the tuner cache");
+  cmd->add_option("--model", a->model, "model preset: tunes GEMM1 (N = 2I, K = H, SwiGLU) and GEMM2 (N = H, K = I)");
+  cmd->add_option("--buckets", a->buckets, "token counts T, comma-separated");
+  cmd->add_option("--out", a->out, "cache file to write (default: $FP4MOE_TUNE_CACHE if a file, else tune-<gpu>.json)");
+  cmd->add_option("--n", a->n, "explicit problem: output features per expert");
+  cmd->add_option("--k", a->k, "explicit problem: reduction size");
+  cmd->add_option("--experts", a->experts, "explicit problem: experts E");
+  cmd->add_option("--top-k", a->top_k, "explicit problem: experts per token");
+  cmd->add_option("--epilogue", a->epilogue, "explicit problem: plain | swiglu | gptoss-swiglu");
+  cmd->add_option("--reps", a->reps, "timed launches per config (median kept)");
+  cmd->add_option("--warmup", a->warmup, "untimed launches per config");
+  cmd->add_flag("--quiet", a->quiet, "no progress bar");
+  cmd->callback([a]() {
+    FP4MOE_REQUIRE(gpu_available(), "fp4moe tune needs a CUDA GPU (none is usable here)");
+    std::vector<TuneProblem> problems;
+    if (!a->model.empty()) {
+      const MoeConfig& m = preset(a->model);
+      TuneProblem g1, g2;
+      g1.experts = g2.experts = m.num_experts;
+      g1.top_k = g2.top_k = m.top_k;
+      g1.n = m.gemm1_n();
+      g1.k = m.gemm1_k();
+      g1.epilogue = m.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
+      g2.n = m.gemm2_n();
+      g2.k = m.gemm2_k();
+      g2.epilogue = GemmEpilogue::kPlain;
+      problems = {g1, g2};
+    } else {
+      FP4MOE_REQUIRE(a->n > 0 && a->k > 0 && a->experts > 0 && a->top_k > 0,
+                     "give --model, or all of --n ({}), --k ({}), --experts ({}), --top-k ({}) as positive numbers",
+                     a->n, a->k, a->experts, a->top_k);
+      TuneProblem p;
+      p.experts = a->experts;
+      p.top_k = a->top_k;
+      p.n = a->n;
+      p.k = a->k;
+      if (a->epilogue == "plain") p.epilogue = GemmEpilogue::kPlain;
+      else if (a->epilogue == "swiglu") p.epilogue = GemmEpilogue::kSwiGLU;
+      else if (a->epilogue == "gptoss-swiglu") p.epilogue = GemmEpilogue::kGptOssSwiGLU;
+      else FP4MOE_FAIL("--epilogue '{}' must be plain, swiglu or gptoss-swiglu", a->epilogue);
+      problems = {p};
+    }
+    TuneOptions opt;
+    opt.buckets = parse_buckets(a->buckets);
+    opt.reps = a->reps;
+    opt.warmup = a->warmup;
+    opt.progress = !a->quiet;
+    nlohmann::json doc = run_tuner(problems, opt);
+
+    std::string out = a->out;
+    if (out.empty()) {
+      const std::string env = tune_cache_path();
+      if (!env.empty() && env.size() > 5 && env.substr(env.size() - 5) == ".json") out = env;
+      else {
+        std::string gpu = doc["key"]["gpu"].get<std::string>();
+        for (char& c : gpu) if (!std::isalnum(static_cast<unsigned char>(c))) c = '-';
+        out = "tune-" + gpu + ".json";
+      }
+    }
+    nlohmann::json existing;
+    if (std::ifstream in(out); in) {
+      try { existing = nlohmann::json::parse(in); } catch (const std::exception&) { existing = nullptr; }
+    }
+    doc = merge_tune_cache(existing, doc);
+    std::ofstream f(out);
+    FP4MOE_REQUIRE(static_cast<bool>(f), "--out {}: cannot open for writing", out);
+    f << doc.dump(2) << "\n";
+    FP4MOE_REQUIRE(static_cast<bool>(f), "--out {}: write failed", out);
+    for (const auto& e : doc["entries"])
+      for (const auto& b : e["buckets"])
+        fmt::print("{} T={:<6} best {:<24} {:9.2f} us\n", e["problem_key"].get<std::string>(),
+                   b["tokens"].get<int64_t>(), b["best_name"].get<std::string>(), b["best_us"].get<double>());
+    fmt::print("wrote {}\n", out);
+  });
+}
+
 }  // namespace fp4moe::cli

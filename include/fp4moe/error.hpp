@@ -4,6 +4,13 @@
 #include <stdexcept>
 #include <string>
 
+// fmt 9 turns its constexpr off under __NVCC__ (a workaround for old nvcc), but with C++20 it still
+// marks some callers constexpr, and the host compiler then rejects constexpr code calling the
+// non-constexpr helpers: every .cu file that includes this header failed to build with nvcc 13.
+// nvcc 13 handles fmt's constexpr fine, so switch it back on.
+#if defined(__CUDACC__) && !defined(FMT_USE_CONSTEXPR)
+#define FMT_USE_CONSTEXPR 1
+#endif
 #include <fmt/format.h>
 
 namespace fp4moe {

@@ -51,6 +51,10 @@ struct GroupedGemmArgs {
 void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args, const TileConfig& cfg,
                         cudaStream_t stream);
 
+// The compiled kernel's own attributes for a config (registers, static smem, max threads), from
+// cudaFuncGetAttributes; needs a GPU. Throws if cfg is not in kGemmConfigs.
+cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpilogue epilogue);
+
 // The configuration the heuristic picks for a problem (rows_per_expert = expected rows of an active
 // expert, e.g. T * top_k / E).
 TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, int num_sms);

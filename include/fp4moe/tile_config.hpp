@@ -62,16 +62,17 @@ constexpr bool tile_config_well_formed(const TileConfig& c) {
 // The bounded instantiation list of the sm80-nvfp4-grouped kernel (mma.sync m16n8k16 bf16 with NVFP4
 // weights dequantized in registers; runs on sm_80 and newer, the Hopper path today).
 inline constexpr TileConfig kGemmConfigs[] = {
-    // decode: few rows per expert; 8 warps share one 128-feature tile, deep pipelines
+    // decode: few rows per expert; all warps split one feature tile (each weight dequantized once per
+    // tile), deep pipelines to keep >= 24 KB per SM in flight
     {128, 16, 128, 6, 8},
     {128, 32, 128, 5, 8},
     {128, 64, 128, 4, 8},
     {64, 16, 128, 8, 4},
-    {64, 64, 128, 4, 4},
-    // prefill: each warp owns two m16 tiles so B fragments are reused twice
+    {128, 32, 64, 8, 8},   // K not a multiple of 128 (gpt-oss: 2880)
+    // prefill: each warp owns two m16 tiles so every B fragment feeds two mma. (256x128 with two m16
+    // tiles per warp needs 128 accumulator registers and spilled at 255 registers: left out.)
     {256, 64, 64, 4, 8},
-    {256, 128, 64, 3, 8},
-    {128, 128, 64, 4, 4},
+    {128, 128, 64, 4, 8},
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);
 

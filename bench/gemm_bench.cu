@@ -1,0 +1,177 @@
+#include "gemm_bench.hpp"
+
+#include <cstdio>
+#include <numeric>
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/device_buffer.hpp"
+#include "fp4moe/grouped_gemm.hpp"
+
+namespace fp4moe::bench {
+namespace {
+
+// NVFP4 weights of all experts of one GEMM, repacked, random but valid.
+struct Fp4Weights {
+  DeviceBuffer<uint8_t> codes, scales;
+  DeviceBuffer<float> global;
+  GroupedWeightsView view;
+};
+
+Fp4Weights make_fp4_weights(int E, int64_t n, int64_t k, bool interleave, uint64_t seed, cudaStream_t s) {
+  Fp4Weights w;
+  const size_t cb = repacked_codes_bytes(n, k), sb = repacked_scales_bytes(n, k);
+  DeviceBuffer<uint8_t> disk_codes(cb * E), disk_scales(sb * E);
+  fill_random_bytes(disk_codes.get(), disk_codes.bytes(), seed, s);
+  fill_random_e4m3_scales(disk_scales.get(), disk_scales.size(), seed + 1, s);
+  w.codes = DeviceBuffer<uint8_t>(cb * E);
+  w.scales = DeviceBuffer<uint8_t>(sb * E);
+  repack_nvfp4_weights_device(disk_codes.get(), disk_scales.get(), E, n, k, interleave, w.codes.get(), w.scales.get(), s);
+  std::vector<float> g(E);
+  for (int e = 0; e < E; ++e) g[e] = 1.0f / 64.0f * (1.0f + 0.01f * static_cast<float>(e % 7));
+  w.global = DeviceBuffer<float>(g);
+  w.view.num_experts = E;
+  w.view.n = n;
+  w.view.k = k;
+  w.view.gate_up_interleaved = interleave;
+  w.view.codes = w.codes.get();
+  w.view.scales = w.scales.get();
+  w.view.global_scale = w.global.get();
+  return w;
+}
+
+__global__ void swiglu_rows_kernel(const __nv_bfloat16* y, __nv_bfloat16* act, int64_t rows, int64_t inter) {
+  const int64_t total = rows * inter;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / inter, j = i - r * inter;
+    const float g = __bfloat162float(y[r * 2 * inter + j]), u = __bfloat162float(y[r * 2 * inter + inter + j]);
+    act[i] = __float2bfloat16_rn(g / (1.0f + __expf(-g)) * u);
+  }
+}
+
+std::vector<int32_t> offsets_of(const std::vector<int32_t>& counts) {
+  std::vector<int32_t> off(counts.size() + 1, 0);
+  std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
+  return off;
+}
+
+}  // namespace
+
+double time_grouped_gemm_us(int experts, int64_t n, int64_t k, const std::vector<int32_t>& counts, bool swiglu,
+                            const TileConfig& cfg, cudaStream_t stream, int reps) {
+  Fp4Weights w = make_fp4_weights(experts, n, k, swiglu, 17, stream);
+  const auto off = offsets_of(counts);
+  const int64_t rows = std::max<int32_t>(off.back(), 1);
+  DeviceBuffer<int32_t> d_off(off);
+  DeviceBuffer<__nv_bfloat16> x(rows * k), y(rows * n);
+  fill_random_bf16(x.get(), x.size(), 1.0f, 5, stream);
+  GroupedGemmArgs a;
+  a.act = x.get();
+  a.expert_offsets = d_off.get();
+  a.max_rows = rows;
+  a.out = y.get();
+  a.epilogue = swiglu ? GemmEpilogue::kSwiGLU : GemmEpilogue::kPlain;
+  grouped_gemm_nvfp4(w.view, a, cfg, stream);  // launch attributes set up outside the capture
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return time_graph_us([&](cudaStream_t s) { grouped_gemm_nvfp4(w.view, a, cfg, s); }, stream, reps);
+}
+
+std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOptions& opt, cudaStream_t stream) {
+  const int E = cfg.num_experts;
+  const int64_t H = cfg.hidden, I = cfg.intermediate;
+  const int64_t max_t = *std::max_element(opt.tokens.begin(), opt.tokens.end());
+  const int64_t max_rows = max_t * cfg.top_k;
+  int dev = 0, sms = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+
+  Fp4Weights w1 = make_fp4_weights(E, 2 * I, H, true, opt.seed, stream);
+  Fp4Weights w2 = make_fp4_weights(E, H, I, false, opt.seed + 7, stream);
+  DeviceBuffer<__nv_bfloat16> x1(max_rows * H), act(max_rows * I), y2(max_rows * H);
+  DeviceBuffer<float> row_scale(max_rows);
+  fill_random_bf16(x1.get(), x1.size(), 1.0f, opt.seed + 11, stream);
+  {
+    std::vector<float> rs(max_rows, 0.125f);
+    row_scale.upload(rs);
+  }
+  DeviceBuffer<int32_t> d_off(E + 1);
+
+  // bf16 baseline weights: the same shapes, bf16, [gate; up] rows for GEMM1
+  DeviceBuffer<__nv_bfloat16> b1, b2, y1;
+  cublasHandle_t h = nullptr;
+  if (opt.baseline) {
+    b1 = DeviceBuffer<__nv_bfloat16>(size_t(E) * 2 * I * H);
+    b2 = DeviceBuffer<__nv_bfloat16>(size_t(E) * H * I);
+    y1 = DeviceBuffer<__nv_bfloat16>(max_rows * 2 * I);
+    fill_random_bf16(b1.get(), b1.size(), 0.02f, opt.seed + 21, stream);
+    fill_random_bf16(b2.get(), b2.size(), 0.02f, opt.seed + 22, stream);
+    FP4MOE_CUBLAS_CHECK(cublasCreate(&h));
+    FP4MOE_CUBLAS_CHECK(cublasSetStream(h, stream));
+  }
+
+  std::vector<GemmBenchRow> rows_out;
+  for (int64_t T : opt.tokens) {
+    const auto counts = random_expert_counts(T, E, cfg.top_k, opt.seed * 1000 + static_cast<uint64_t>(T));
+    const auto off = offsets_of(counts);
+    d_off.upload(off);
+    GemmBenchRow r;
+    r.tokens = T;
+    r.active_experts = static_cast<int>(std::count_if(counts.begin(), counts.end(), [](int c) { return c > 0; }));
+    const double rows = static_cast<double>(T * cfg.top_k);
+    r.weight_bytes = r.active_experts * double(3 * H * I) * (0.5 + 1.0 / 16.0);
+    r.flops = 2.0 * rows * double(3 * H * I);
+    const double rpe = rows / std::max(1, r.active_experts);
+    r.cfg1 = opt.force1 ? *opt.force1 : heuristic_tile_config(2 * I, H, rpe, sms);
+    r.cfg2 = opt.force2 ? *opt.force2 : heuristic_tile_config(H, I, rpe, sms);
+
+    GroupedGemmArgs a1, a2;
+    a1.act = x1.get(); a1.expert_offsets = d_off.get(); a1.max_rows = T * cfg.top_k; a1.out = act.get();
+    a1.epilogue = GemmEpilogue::kSwiGLU;
+    a2.act = act.get(); a2.expert_offsets = d_off.get(); a2.max_rows = T * cfg.top_k; a2.out = y2.get();
+    a2.row_scale = row_scale.get(); a2.epilogue = GemmEpilogue::kPlain;
+    auto fp4 = [&](cudaStream_t s) {
+      grouped_gemm_nvfp4(w1.view, a1, r.cfg1, s);
+      grouped_gemm_nvfp4(w2.view, a2, r.cfg2, s);
+    };
+    fp4(stream);
+    FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    r.fp4_us = time_graph_us(fp4, stream, opt.reps);
+
+    if (opt.baseline) {
+      const float one = 1.f, zero = 0.f;
+      auto bf16 = [&](cudaStream_t s) {
+        for (int e = 0; e < E; ++e) {
+          const int m = counts[e];
+          if (m == 0) continue;
+          // row-major Y[m, 2I] = X[m, H] W1_e^T: column-major Y^T = W1_e(op T) X^T
+          FP4MOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, m, H, &one,
+                                           b1.get() + size_t(e) * 2 * I * H, CUDA_R_16BF, H,
+                                           x1.get() + size_t(off[e]) * H, CUDA_R_16BF, H, &zero,
+                                           y1.get() + size_t(off[e]) * 2 * I, CUDA_R_16BF, 2 * I, CUBLAS_COMPUTE_32F,
+                                           CUBLAS_GEMM_DEFAULT));
+        }
+        swiglu_rows_kernel<<<1024, 256, 0, s>>>(y1.get(), act.get(), T * cfg.top_k, I);
+        FP4MOE_CUDA_CHECK_LAUNCH();
+        for (int e = 0; e < E; ++e) {
+          const int m = counts[e];
+          if (m == 0) continue;
+          FP4MOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, H, m, I, &one, b2.get() + size_t(e) * H * I,
+                                           CUDA_R_16BF, I, act.get() + size_t(off[e]) * I, CUDA_R_16BF, I, &zero,
+                                           y2.get() + size_t(off[e]) * H, CUDA_R_16BF, H, CUBLAS_COMPUTE_32F,
+                                           CUBLAS_GEMM_DEFAULT));
+        }
+      };
+      bf16(stream);
+      FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      r.bf16_us = time_graph_us(bf16, stream, std::max(5, opt.reps / 2));
+    }
+    std::fprintf(stderr, "  T=%lld done (fp4 %.1f us, bf16 %.1f us)\n", static_cast<long long>(T), r.fp4_us, r.bf16_us);
+    rows_out.push_back(r);
+  }
+  if (h) FP4MOE_CUBLAS_CHECK(cublasDestroy(h));
+  return rows_out;
+}
+
+}  // namespace fp4moe::bench

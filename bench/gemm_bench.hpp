@@ -1,0 +1,40 @@
+// The grouped-GEMM benchmark (issue 3): GEMM1 (gate+up, SwiGLU) + GEMM2 (down) of a preset's MoE
+// experts with NVFP4 weights, against cuBLAS bf16 per-expert GEMMs on the same problem.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "bench_common.hpp"
+#include "fp4moe/config.hpp"
+#include "fp4moe/tile_config.hpp"
+
+namespace fp4moe::bench {
+
+struct GemmBenchRow {
+  int64_t tokens = 0;
+  int active_experts = 0;
+  double weight_bytes = 0;  // NVFP4 bytes (codes + E4M3 scales) of the active experts, both GEMMs
+  double flops = 0;         // useful: 2 * rows * (N1*K1 + N2*K2)
+  double fp4_us = 0;
+  double bf16_us = 0;       // 0 when the baseline was not run
+  TileConfig cfg1, cfg2;
+};
+
+struct GemmBenchOptions {
+  std::vector<int64_t> tokens;
+  bool baseline = true;
+  int reps = 20;
+  uint64_t seed = 1;
+  std::optional<TileConfig> force1, force2;  // otherwise heuristic / tuned
+};
+
+std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOptions& opt, cudaStream_t stream);
+
+// Time one grouped GEMM with a given config on random data (the tuner's measurement).
+double time_grouped_gemm_us(int experts, int64_t n, int64_t k, const std::vector<int32_t>& counts, bool swiglu,
+                            const TileConfig& cfg, cudaStream_t stream, int reps = 10);
+
+}  // namespace fp4moe::bench

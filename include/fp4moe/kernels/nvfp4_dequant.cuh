@@ -1,0 +1,37 @@
+// Dequantization of one repacked word (8 e2m1 codes of a lane's mma A fragment) to four bf16x2
+// registers, scaled by the block scales. Layout and exactness argument: nvfp4_weight_layout.hpp.
+#pragma once
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+namespace fp4moe::kernels {
+
+// Two re-encoded scale bytes (rows g and g+8 of a k16 block), zero-extended into the two 16-bit
+// halves of `pair`, become bf16x2 {s_g * 2^118, s_g8 * 2^118}: one IMAD.
+__device__ __forceinline__ uint32_t decode_scale_pair(uint32_t pair) {
+  return pair * 16u + ((236u << 7) | (236u << 23));
+}
+
+__device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t u) {
+  return *reinterpret_cast<const __nv_bfloat162*>(&u);
+}
+__device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpret_cast<const uint32_t*>(&v); }
+
+// word: the repacked codes; scales: decode_scale_pair() output {row g, row g+8}.
+// a[0] = (a0,a1) row g, a[1] = (a2,a3) row g+8, a[2] = (a4,a5) row g, a[3] = (a6,a7) row g+8.
+__device__ __forceinline__ void dequant_fragment(uint32_t word, uint32_t scales, uint32_t (&a)[4]) {
+  const uint32_t p0 = (word << 6) & 0x81C081C0u;
+  const uint32_t p1 = ((word << 3) & 0x01C001C0u) | ((word << 5) & 0x80008000u);
+  const uint32_t p2 = word & 0x81C081C0u;
+  const uint32_t p3 = ((word >> 5) & 0x01C001C0u) | ((word << 1) & 0x80008000u);
+  const __nv_bfloat162 s = as_bf162(scales);
+  const __nv_bfloat162 s_lo = __low2bfloat162(s);   // folded into HMUL2's .H0_H0 operand select
+  const __nv_bfloat162 s_hi = __high2bfloat162(s);
+  a[0] = as_u32(__hmul2(as_bf162(p0), s_lo));
+  a[1] = as_u32(__hmul2(as_bf162(p1), s_hi));
+  a[2] = as_u32(__hmul2(as_bf162(p2), s_lo));
+  a[3] = as_u32(__hmul2(as_bf162(p3), s_hi));
+}
+
+}  // namespace fp4moe::kernels

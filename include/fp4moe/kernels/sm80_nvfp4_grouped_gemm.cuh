@@ -1,0 +1,392 @@
+// sm80-nvfp4-grouped: grouped (per-expert) GEMM, bf16 activations x NVFP4 weights, FP32 accumulate.
+// Device code only; the host launcher is src/sm80_nvfp4_grouped_gemm.cu.
+//
+// Design (../shared/notes/sm90-kernel-design.md):
+// - Swap AB: weights are mma's A operand (features = M, 16 per m-tile), activations are B (tokens = N,
+//   8 per n-tile), so a decode-sized expert (a few tokens) costs a few narrow n-tiles, not a padded
+//   64-row tile. mma.sync.m16n8k16 runs on sm_80 and newer (the Hopper path until a wgmma variant).
+// - Weights are dequantized in registers exactly to bf16 (nvfp4_dequant.cuh); the FP32 global scale is
+//   applied in the epilogue.
+// - Persistent CTAs walk a list of work tiles (expert, feature tile, token tile) computed on the device
+//   from the expert offsets, so empty experts cost nothing and no host synchronization is needed.
+//   Consecutive tiles of a CTA-wave are the token tiles, then feature tiles, of one expert: CTAs that
+//   run together share weights (token tiles) or activations (feature tiles) through L2.
+// - One cp.async pipeline runs across tile boundaries (iteration = (tile, k-step)), so the next tile's
+//   weights stream in while the current tile's epilogue stores from registers.
+#pragma once
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "fp4moe/kernels/nvfp4_dequant.cuh"
+#include "fp4moe/nvfp4_weight_layout.hpp"
+#include "fp4moe/tile_config.hpp"
+
+namespace fp4moe::kernels {
+
+enum EpilogueKind : int { kEpiPlain = 0, kEpiSwiGLU = 1, kEpiGptOss = 2 };
+
+struct GroupedGemmParams {
+  const uint8_t* codes;         // repacked, expert stride n*k/2
+  const uint8_t* scales;        // repacked, expert stride n*k/16
+  const float* global_scale;    // [E]
+  const float* global_scale_up; // [E] or null
+  const float* bias;            // [E, n] (on-disk row order) or null
+  const __nv_bfloat16* act;     // [max_rows, k]
+  const int32_t* offsets;       // [E + 1]
+  const float* row_scale;       // [max_rows] or null
+  __nv_bfloat16* out;           // [max_rows, n] or [max_rows, n/2]
+  int num_experts;
+  int n;
+  int k;
+  int max_rows;
+  float alpha;
+  float limit;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// A work tile, decoded from its linear index with the per-expert tile prefix in shared memory.
+struct WorkTile {
+  int expert;
+  int ftile;     // feature tile
+  int row0;      // first activation row
+  int rows;      // valid rows (1..BT)
+};
+
+template <int BT>
+__device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, const int32_t* offsets, int num_experts,
+                                                int max_rows) {
+  // largest e with prefix[e] <= w (prefix is non-decreasing, prefix[0] = 0)
+  int lo = 0, hi = num_experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefix[mid] <= w) lo = mid; else hi = mid - 1;
+  }
+  WorkTile t;
+  t.expert = lo;
+  const int a = min(max(__ldg(offsets + lo), 0), max_rows);
+  const int b = min(max(__ldg(offsets + lo + 1), a), max_rows);
+  const int ttiles = (b - a + BT - 1) / BT;
+  const int local = w - prefix[lo];
+  t.ftile = local / ttiles;
+  const int tt = local - t.ftile * ttiles;
+  t.row0 = a + tt * BT;
+  t.rows = min(BT, b - t.row0);
+  return t;
+}
+
+template <int BN, int BT, int BK, int STAGES, int WARPS, int EPI>
+// Two CTAs per SM while the accumulators are small (decode: one CTA's pipeline bubble at a tile
+// boundary is covered by the other's loads); one CTA with up to 255 registers for prefill tiles.
+__global__ void __launch_bounds__(WARPS * 32, (BN / (16 * WARPS)) * (BT / 8) * 4 > 48 ? 1 : 2)
+sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
+  constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS};
+  static_assert(tile_config_well_formed(kCfg), "tile config is malformed: see tile_config_well_formed()");
+  constexpr GemmSmemLayout kL = gemm_smem_layout(kCfg);
+  constexpr int kThreads = WARPS * 32;
+  constexpr int WM = BN / (16 * WARPS);
+  constexpr int MT = BN / 16;        // m-tiles per CTA tile
+  constexpr int KC = BK / 64;        // 64-wide K chunks per stage
+  constexpr int NT = BT / 8;         // n-tiles per CTA tile
+  static_assert(NT % 2 == 0, "BT must be a multiple of 16 (ldmatrix.x4 loads n-tiles in pairs)");
+  constexpr int kCodePieces = MT * KC * 32;     // 16-byte pieces per stage
+  constexpr int kScalePieces = MT * KC * 4;
+  constexpr int kActPieces = BT * BK / 8;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + kL.sched_offset);
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int E = p.num_experts;
+  const int K = p.k;
+  const int m_tiles_total = p.n / 16;
+  const int ftiles = (p.n + BN - 1) / BN;
+  const int KT = K / BK;
+
+  // ---- scheduler: tiles per expert, exclusive prefix (warp 0; E <= 512 -> <= 16 per lane) ----
+  if (warp == 0) {
+    constexpr int kPer = (kMaxExperts + 31) / 32;
+    const int per = (E + 31) / 32;
+    const int e0 = lane * per;
+    int cnt[kPer];
+    int sum = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      cnt[i] = 0;
+      const int e = e0 + i;
+      if (i < per && e < E) {
+        const int a = min(max(__ldg(p.offsets + e), 0), p.max_rows);
+        const int b = min(max(__ldg(p.offsets + e + 1), a), p.max_rows);
+        cnt[i] = ((b - a + BT - 1) / BT) * ftiles;
+      }
+      sum += cnt[i];
+    }
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    int run = incl - sum;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = e0 + i;
+      if (i < per && e < E) s_prefix[e] = run;
+      run += cnt[i];
+    }
+    if (lane == 31) s_prefix[kMaxExperts + 1] = incl;  // total tiles
+  }
+  __syncthreads();
+  const int total_tiles = s_prefix[kMaxExperts + 1];
+  const int my_tiles = total_tiles > static_cast<int>(blockIdx.x)
+                           ? (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1
+                           : 0;
+  const int total_iters = my_tiles * KT;
+  if (total_iters == 0) return;
+
+  const int64_t codes_expert_stride = static_cast<int64_t>(p.n) * K / 2;
+  const int64_t scales_expert_stride = static_cast<int64_t>(p.n) * K / 16;
+
+  // ---- producer: issue the cp.asyncs of iteration `it` into stage it % STAGES ----
+  WorkTile load_tile{};
+  int load_tile_idx = -1;
+  auto issue_load = [&](int it) {
+    const int ti = it / KT;
+    const int kt = it - ti * KT;
+    if (ti != load_tile_idx) {
+      load_tile_idx = ti;
+      load_tile = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix,
+                                  p.offsets, E, p.max_rows);
+    }
+    uint8_t* stage = smem + (it % STAGES) * kL.stage_bytes;
+    const uint32_t s_codes = smem_u32(stage);
+    const uint32_t s_scales = smem_u32(stage + kL.codes_bytes);
+    const uint32_t s_act = smem_u32(stage + kL.codes_bytes + kL.scales_bytes);
+    const int mt0 = load_tile.ftile * MT;
+    const uint8_t* g_codes = p.codes + load_tile.expert * codes_expert_stride;
+    const uint8_t* g_scales = p.scales + load_tile.expert * scales_expert_stride;
+#pragma unroll
+    for (int i = 0; i < (kCodePieces + kThreads - 1) / kThreads; ++i) {
+      const int piece = tid + i * kThreads;
+      if (piece < kCodePieces) {
+        const int mt = piece / (KC * 32);
+        const int rest = piece - mt * (KC * 32);   // chunk * 32 + lane: contiguous in global memory
+        if (mt0 + mt < m_tiles_total)
+          cp_async16(s_codes + piece * 16,
+                     g_codes + ((static_cast<int64_t>(mt0 + mt) * (K / 64) + kt * KC) * 32 + rest) * 16);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < (kScalePieces + kThreads - 1) / kThreads; ++i) {
+      const int piece = tid + i * kThreads;
+      if (piece < kScalePieces) {
+        const int mt = piece / (KC * 4);
+        const int rest = piece - mt * (KC * 4);
+        if (mt0 + mt < m_tiles_total)
+          cp_async16(s_scales + piece * 16,
+                     g_scales + ((static_cast<int64_t>(mt0 + mt) * (K / 64) + kt * KC) * 4 + rest) * 16);
+      }
+    }
+    // activations: [KC slabs][BT rows][128 B], 16-byte chunk c of row r stored at c ^ (r & 7) so that
+    // ldmatrix's eight row addresses hit eight different bank groups. Rows past the tile's valid rows
+    // are not loaded: they only feed output columns that are never stored.
+    const __nv_bfloat16* g_act = p.act + static_cast<int64_t>(load_tile.row0) * K + kt * BK;
+#pragma unroll
+    for (int i = 0; i < (kActPieces + kThreads - 1) / kThreads; ++i) {
+      const int piece = tid + i * kThreads;
+      if (piece < kActPieces) {
+        const int r = piece / (BK / 8);
+        const int c = piece - r * (BK / 8);
+        if (r < load_tile.rows) {
+          const int slab = c >> 3, cc = c & 7;
+          cp_async16(s_act + (slab * BT + r) * 128 + ((cc ^ (r & 7)) << 4), g_act + static_cast<int64_t>(r) * K + c * 8);
+        }
+      }
+    }
+  };
+
+  float acc[WM][NT][4];
+#pragma unroll
+  for (int i = 0; i < WM; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < total_iters) issue_load(s);
+    cp_async_commit();
+  }
+
+  WorkTile tile = decode_tile<BT>(static_cast<int>(blockIdx.x), s_prefix, p.offsets, E, p.max_rows);
+  int tile_idx = 0;
+  const int g = lane >> 2, t4 = lane & 3;
+
+  for (int it = 0; it < total_iters; ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (it + STAGES - 1 < total_iters) issue_load(it + STAGES - 1);
+    cp_async_commit();
+
+    const int ti = it / KT;
+    if (ti != tile_idx) {
+      tile_idx = ti;
+      tile = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p.offsets,
+                             E, p.max_rows);
+    }
+    const int valid_nt = (tile.rows + 7) >> 3;
+    const uint8_t* stage = smem + (it % STAGES) * kL.stage_bytes;
+    const uint8_t* st_codes = stage;
+    const uint8_t* st_scales = stage + kL.codes_bytes;
+    const uint32_t st_act = smem_u32(stage + kL.codes_bytes + kL.scales_bytes);
+    const bool warp_active = (tile.ftile * MT + warp * WM) < m_tiles_total;
+
+    if (warp_active) {
+#pragma unroll
+      for (int c = 0; c < KC; ++c) {
+        uint4 words[WM];
+        uint2 sc[WM];
+#pragma unroll
+        for (int i = 0; i < WM; ++i) {
+          const int mt = warp * WM + i;
+          words[i] = *reinterpret_cast<const uint4*>(st_codes + ((mt * KC + c) * 32 + lane) * 16);
+          sc[i] = *reinterpret_cast<const uint2*>(st_scales + (mt * KC + c) * 64 + g * 8);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          // A fragments of this k16 step for the warp's m-tiles, dequantized once and reused by every
+          // n-tile; B fragments are loaded per n-tile pair so only four B registers are live.
+          uint32_t a[WM][4];
+#pragma unroll
+          for (int i = 0; i < WM; ++i) {
+            const uint32_t w = j == 0 ? words[i].x : j == 1 ? words[i].y : j == 2 ? words[i].z : words[i].w;
+            const uint32_t sw = j < 2 ? sc[i].x : sc[i].y;
+            // bytes (row g, row g+8) of k16 block j -> the two 16-bit halves
+            const uint32_t pair = __byte_perm(sw, 0u, (j & 1) ? 0x4342u : 0x4140u);
+            dequant_fragment(w, decode_scale_pair(pair), a[i]);
+          }
+#pragma unroll
+          for (int np = 0; np < NT / 2; ++np) {
+            if (2 * np < valid_nt) {
+              const int mat = lane >> 3;
+              const int row = (2 * np + (mat >> 1)) * 8 + (lane & 7);
+              const int chunk = j * 2 + (mat & 1);
+              uint32_t b0, b1, b2, b3;
+              ldmatrix_x4(st_act + (c * BT + row) * 128 + ((chunk ^ (row & 7)) << 4), b0, b1, b2, b3);
+#pragma unroll
+              for (int i = 0; i < WM; ++i) {
+                mma_bf16_16816(acc[i][2 * np], a[i], b0, b1);
+                if (2 * np + 1 < valid_nt) mma_bf16_16816(acc[i][2 * np + 1], a[i], b2, b3);
+              }
+            }
+          }
+        }
+      }
+    }
+
+    // ---- epilogue at the last k-step of a tile: registers -> global, then reset ----
+    if ((it % KT) == KT - 1) {
+      if (warp_active) {
+        const int e = tile.expert;
+        const float gs = __ldg(p.global_scale + e) * layout::kAccumulatorScale;
+#pragma unroll
+        for (int i = 0; i < WM; ++i) {
+          const int mt = tile.ftile * MT + warp * WM + i;
+          if (mt < m_tiles_total) {
+            if constexpr (EPI == kEpiPlain) {
+              const int f = mt * 16 + 2 * g;  // features f, f+1 held in acc[..][0|1] and [2|3]
+              float b0 = 0.f, b1 = 0.f;
+              if (p.bias != nullptr) {
+                b0 = __ldg(p.bias + static_cast<int64_t>(e) * p.n + f);
+                b1 = __ldg(p.bias + static_cast<int64_t>(e) * p.n + f + 1);
+              }
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                if (nt < valid_nt) {
+#pragma unroll
+                  for (int h = 0; h < 2; ++h) {
+                    const int r = nt * 8 + 2 * t4 + h;
+                    if (r < tile.rows) {
+                      const int row = tile.row0 + r;
+                      const float rs = p.row_scale != nullptr ? __ldg(p.row_scale + row) : 1.0f;
+                      const float v0 = (acc[i][nt][h] * gs + b0) * rs;
+                      const float v1 = (acc[i][nt][2 + h] * gs + b1) * rs;
+                      *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<int64_t>(row) * p.n + f) =
+                          __floats2bfloat162_rn(v0, v1);
+                    }
+                  }
+                }
+              }
+            } else {
+              const float gs_up =
+                  p.global_scale_up != nullptr ? __ldg(p.global_scale_up + e) * layout::kAccumulatorScale : gs;
+              const int jn = mt * 8 + g;  // output column (gate row jn, up row n/2 + jn)
+              const int half = p.n / 2;
+              float bg = 0.f, bu = 0.f;
+              if (p.bias != nullptr) {
+                bg = __ldg(p.bias + static_cast<int64_t>(e) * p.n + jn);
+                bu = __ldg(p.bias + static_cast<int64_t>(e) * p.n + half + jn);
+              }
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt) {
+                if (nt < valid_nt) {
+#pragma unroll
+                  for (int h = 0; h < 2; ++h) {
+                    const int r = nt * 8 + 2 * t4 + h;
+                    if (r < tile.rows) {
+                      const int row = tile.row0 + r;
+                      float gate = acc[i][nt][h] * gs + bg;
+                      float up = acc[i][nt][2 + h] * gs_up + bu;
+                      float v;
+                      if constexpr (EPI == kEpiSwiGLU) {
+                        v = gate / (1.0f + expf(-gate)) * up;
+                      } else {
+                        gate = fminf(gate, p.limit);
+                        up = fminf(fmaxf(up, -p.limit), p.limit);
+                        v = (up + 1.0f) * gate / (1.0f + expf(-p.alpha * gate));
+                      }
+                      p.out[static_cast<int64_t>(row) * half + jn] = __float2bfloat16_rn(v);
+                    }
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < WM; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+    }
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace fp4moe::kernels

@@ -1,0 +1,207 @@
+// The whole MoE layer on the GPU as one call: router (optional cuBLAS logits) -> top-k -> permutation
+// -> grouped NVFP4 GEMM1 (+SwiGLU) -> grouped GEMM2 (x routing weight) -> deterministic combine
+// (+ shared expert). forward() allocates nothing and never synchronizes, so it can be captured in a
+// CUDA graph; its output is bit-identical run to run (fixed-order reductions, no atomics deciding
+// anything but counts).
+//
+// Rounding points are moe_reference's (reference.hpp): bf16 activations in, GEMM1 output stored bf16,
+// GEMM2 output (weight applied) stored bf16 per (token, slot), fp32 sum over slots in slot order
+// starting from 0, then + shared expert output, rounded to bf16.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "fp4moe/config.hpp"
+#include "fp4moe/tile_config.hpp"
+
+namespace fp4moe {
+
+// DEVICE pointers, on-disk (ModelOpt) layout, all experts stacked. I = cfg.intermediate,
+// Is = I * cfg.num_shared (the shared expert is one expert of width Is).
+// The constructor copies what it needs (repacked codes and scales, global scales, biases, router
+// tensors) into memory the layer owns, so these buffers may be freed once it returns.
+struct MoeLayerWeights {
+  const uint8_t* w13_codes = nullptr;      // [E, 2I, H/2]: rows 0..I-1 gate, I..2I-1 up
+  const uint8_t* w13_scales = nullptr;     // [E, 2I, H/16] E4M3
+  const float* w13_global = nullptr;       // [E] gate (and up, unless w13_global_up is given)
+  const float* w13_global_up = nullptr;    // [E] or null
+  const float* b13 = nullptr;              // [E, 2I] fp32 (gate then up) or null; required iff cfg.expert_bias
+  const uint8_t* w2_codes = nullptr;       // [E, H, I/2]
+  const uint8_t* w2_scales = nullptr;      // [E, H, I/16] E4M3
+  const float* w2_global = nullptr;        // [E]
+  const float* b2 = nullptr;               // [E, H] fp32 or null; required iff cfg.expert_bias
+  const float* router_bias = nullptr;      // [E] fp32 or null (= 0); must be null for the softmax router
+  const void* router_weight = nullptr;     // bf16 [E, H] or null (then forward needs router logits)
+  // Shared expert (cfg.num_shared > 0): the same tensors with E = 1 and I -> Is.
+  const uint8_t* shared_w13_codes = nullptr;   // [2Is, H/2]
+  const uint8_t* shared_w13_scales = nullptr;  // [2Is, H/16]
+  const float* shared_w13_global = nullptr;    // [1]
+  const float* shared_w13_global_up = nullptr; // [1] or null
+  const float* shared_b13 = nullptr;           // [2Is] or null; required iff cfg.expert_bias
+  const uint8_t* shared_w2_codes = nullptr;    // [H, Is/2]
+  const uint8_t* shared_w2_scales = nullptr;   // [H, Is/16]
+  const float* shared_w2_global = nullptr;     // [1]
+  const float* shared_b2 = nullptr;            // [H] or null; required iff cfg.expert_bias
+};
+
+// Stages, in order, for timing (forward's stage_events). The shared expert's two GEMMs are counted in
+// kGemm1 and kGemm2.
+enum class MoeStage : int { kRouting = 0, kPermute, kGemm1, kGemm2, kCombine };
+inline constexpr int kNumMoeStages = 5;
+
+// Tile configs of the four grouped GEMM calls; an empty one is chosen per call by
+// heuristic_tile_config(n, k, rows per active expert, number of SMs).
+struct MoeTileConfigs {
+  std::optional<TileConfig> gemm1, gemm2, shared_gemm1, shared_gemm2;
+};
+struct MoeResolvedTileConfigs {
+  TileConfig gemm1, gemm2, shared_gemm1, shared_gemm2;
+};
+
+// Where each intermediate lives inside a workspace (byte offsets from its start, 256-byte aligned;
+// the layout is fixed by max_tokens, not by T).
+struct MoeWorkspaceLayout {
+  size_t router_logits = 0;      // fp32 [max_T, E]        (only when the layer has a router weight)
+  size_t topk_ids = 0;           // int32 [max_T, k]
+  size_t topk_weights = 0;       // fp32 [max_T, k]
+  size_t chunk_counts = 0;       // int32 [chunks, E]      (permutation scratch)
+  size_t expert_offsets = 0;     // int32 [E + 1]
+  size_t shared_offsets = 0;     // int32 [2] = {0, T}
+  size_t row_of = 0;             // int32 [max_T, k]: (token, slot) -> expert-sorted row
+  size_t row_scale = 0;          // fp32 [max_T * k]: routing weight per sorted row (GEMM2 row_scale)
+  size_t sorted_hidden = 0;      // bf16 [max_T * k, H]
+  size_t gemm1_out = 0;          // bf16 [max_T * k, I]
+  size_t gemm2_out = 0;          // bf16 [max_T * k, H]
+  size_t shared_gemm1_out = 0;   // bf16 [max_T, Is]
+  size_t shared_gemm2_out = 0;   // bf16 [max_T, H]
+  size_t total = 0;
+};
+
+// Device pointers of the intermediates of the last forward() that used a workspace (tests, tools).
+struct MoeIntermediates {
+  float* router_logits = nullptr;
+  int32_t* topk_ids = nullptr;
+  float* topk_weights = nullptr;
+  int32_t* expert_offsets = nullptr;
+  int32_t* row_of = nullptr;
+  float* row_scale = nullptr;
+  void* sorted_hidden = nullptr;
+  void* gemm1_out = nullptr;
+  void* gemm2_out = nullptr;
+  void* shared_gemm2_out = nullptr;
+};
+
+// ---- Host-only checks and sizes (no GPU needed) ----
+// cfg.validate() plus the layer's own limits (NVFP4 weights, n_group <= 32). Throws fp4moe::Error.
+void validate_moe_layer_config(const MoeConfig& cfg);
+// Null / alignment checks of the weight pointers against the config.
+void validate_moe_layer_weights(const MoeConfig& cfg, const MoeLayerWeights& w);
+MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens, bool router_gemm);
+// The permutation works on chunks of this many (token, slot) entries, one block each.
+inline constexpr int kMoePermuteChunk = 2048;
+int64_t moe_permute_chunks(int64_t n);  // ceil(n / kMoePermuteChunk)
+
+// ---- The stages as free functions (MoeLayer::forward calls these; tests and tools may too) ----
+// All pointers are device memory; nothing synchronizes or allocates.
+// Routing: logits fp32 [T, E], router_bias [E] or null -> topk_ids int32 [T, k], topk_weights fp32 [T, k]
+// (slots in descending selection score, ties -> lower expert index; route_reference's arithmetic).
+void moe_route(const MoeConfig& cfg, const float* logits, const float* router_bias, int64_t tokens,
+               int32_t* topk_ids, float* topk_weights, cudaStream_t stream);
+// Permutation: expert_offsets [E + 1], row_of [T, k] (row of (t, s) in expert-sorted order, stable:
+// within an expert by token then slot), row_scale [T * k] (topk_weights in row order). chunk_counts:
+// scratch of moe_permute_chunks(T * k) * E int32. shared_offsets: null or [2], set to {0, T}.
+void moe_permute(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids, const float* topk_weights,
+                 int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of, float* row_scale,
+                 int32_t* shared_offsets, cudaStream_t stream);
+// sorted[row_of[t, s], :] = hidden[t, :] (bf16, H % 8 == 0, 16-byte aligned).
+void moe_gather(const void* hidden, int64_t tokens, int64_t hidden_size, const int32_t* row_of, int top_k,
+                void* sorted, cudaStream_t stream);
+// out[t, :] = bf16(sum_{s<k} float(y[row_of[t, s], :]) + float(shared_y[t, :])), shared_y may be null.
+void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens,
+                 int64_t hidden_size, void* out, cudaStream_t stream);
+
+class MoeLayer {
+ public:
+  // Validates, repacks the expert weights once (repack_nvfp4_weights_device; gate/up interleaved for
+  // GEMM1) into owned device memory, creates the cuBLAS handle (with its own workspace, so the router
+  // GEMM is graph-capturable) and synchronizes `stream` once at the end.
+  MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& weights, int64_t max_tokens, cudaStream_t stream);
+  ~MoeLayer();
+  MoeLayer(MoeLayer&&) noexcept;
+  MoeLayer& operator=(MoeLayer&&) noexcept;
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  const MoeConfig& config() const;
+  int64_t max_tokens() const;
+  bool has_router_weight() const;
+  size_t workspace_bytes() const;
+  MoeWorkspaceLayout workspace_layout() const;
+  MoeIntermediates intermediates(void* workspace) const;
+
+  // hidden: bf16 [T, H]; router_logits: fp32 [T, E] or null (then the router weight computes them);
+  // out: bf16 [T, H]; workspace: workspace_bytes() bytes, 16-byte aligned, owned by the caller (one
+  // workspace per concurrently running forward). stage_events: null, or kNumMoeStages + 1 events,
+  // recorded before routing and after each stage. Never synchronizes; allocates nothing.
+  // Not thread-safe for concurrent calls on one MoeLayer (the cuBLAS handle is bound to `stream`).
+  void forward(cudaStream_t stream, const void* hidden, int64_t tokens, const float* router_logits,
+               void* out, void* workspace, size_t workspace_size,
+               const cudaEvent_t* stage_events = nullptr) const;
+
+  void set_tile_configs(const MoeTileConfigs& tiles);
+  MoeResolvedTileConfigs tile_configs(int64_t tokens) const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// ---- Synthetic layers generated on the device (benchmarks, large tests) ----
+// The recipe of make_synthetic_expert / make_synthetic_router_bias (reference.hpp), bit for bit, for
+// every expert at once, with no host round trip.
+class OwnedDeviceBuffer {
+ public:
+  OwnedDeviceBuffer() = default;
+  explicit OwnedDeviceBuffer(size_t bytes);
+  ~OwnedDeviceBuffer();
+  OwnedDeviceBuffer(OwnedDeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  OwnedDeviceBuffer& operator=(OwnedDeviceBuffer&& o) noexcept;
+  OwnedDeviceBuffer(const OwnedDeviceBuffer&) = delete;
+  OwnedDeviceBuffer& operator=(const OwnedDeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+struct SyntheticDeviceLayer {
+  MoeConfig cfg;
+  uint64_t seed = 0;
+  std::vector<OwnedDeviceBuffer> buffers;  // owns everything `weights` points to
+  MoeLayerWeights weights;
+};
+
+// with_router_weight: also a bf16 [E, H] router weight (synth_weight(seed, kRouterWeight, 0, e, h,
+// synthetic_weight_std(H)) rounded to bf16; it has no CPU counterpart in reference.hpp).
+// Asynchronous on `stream`; the buffers are valid once the stream reaches this point.
+SyntheticDeviceLayer make_synthetic_layer_device(const MoeConfig& cfg, uint64_t seed, cudaStream_t stream,
+                                                 bool with_router_weight = false);
+// make_synthetic_hidden (bf16 [T, H]) and make_synthetic_router_logits (fp32 [T, E]) on the device.
+void make_synthetic_hidden_device(const MoeConfig& cfg, uint64_t seed, int64_t tokens, void* hidden_bf16,
+                                  cudaStream_t stream);
+void make_synthetic_router_logits_device(const MoeConfig& cfg, uint64_t seed, int64_t tokens, float* logits,
+                                         cudaStream_t stream);
+
+}  // namespace fp4moe

@@ -1,0 +1,92 @@
+// The kernel-side layout of NVFP4 expert weights ("repacked"), shared by the host repack, the device
+// repack kernel, the inverse (tests) and the GEMM kernel's dequantization.
+//
+// Why this layout: the sm80-nvfp4-grouped kernel feeds weights as the A operand of
+// mma.sync.m16n8k16 (features are the M dimension, tokens the N dimension: "swap AB"). Each lane's
+// A fragment for one k16 step is 8 e2m1 values = one 32-bit word, so the repack stores, per 16-row
+// tile and 64-wide K chunk, 32 lanes x 4 words (k16 steps) = 512 contiguous bytes: one 16-byte
+// shared-memory load per lane yields four k-steps of fragments, with no bank conflicts.
+//
+// Within a word, the bits are permuted so that dequantization to bf16 is a few shifts and masks:
+// placing an e2m1 magnitude (e1 e0 m) at bf16 bits 8..6 and its sign at bit 15 yields the value
+// times 2^-126 exactly (e=0 lands in bf16's subnormal range, which mul.bf16x2 supports), for two
+// values at once (one per 16-bit half). The four bf16x2 pairs of a word (a0a1, a2a3, a4a5, a6a7) keep
+// their magnitudes at bits [p, p+2] and signs at bit q of each half with (p, q) = (0,9) (3,10) (6,15)
+// (11,14): pair 2 needs one AND, pair 0 a shift and an AND, pairs 1 and 3 two shifts and two logic ops
+// (an exhaustive search found no placement with fewer operations).
+//
+// Block scales are re-encoded in one byte as ((E + 9) << 3) | mantissa for s = 2^E * (1 + mantissa/8),
+// E in [-9, 8] (every positive E4M3 value, subnormals normalized), so that byte * 16 + (236 << 7) is
+// the bf16 of s * 2^118 — one integer multiply-add per two scales. Weight (v * 2^-126) * (s * 2^118)
+// = v * s * 2^-8 is exact and normal in bf16 (|v*s| in [2^-10, 2688]); the kernel multiplies the FP32
+// accumulator by global * 2^8.
+#pragma once
+#include <cstdint>
+
+#include "fp4moe/format_math.hpp"
+
+namespace fp4moe::layout {
+
+FP4MOE_HD constexpr int pair_mag_pos(int pair) { return pair == 0 ? 0 : pair == 1 ? 3 : pair == 2 ? 6 : 11; }
+FP4MOE_HD constexpr int pair_sign_pos(int pair) { return pair == 0 ? 9 : pair == 1 ? 10 : pair == 2 ? 15 : 14; }
+inline constexpr uint32_t kScaleBias = (236u << 7) | (236u << 23);  // bf16 exponent bias, both halves
+inline constexpr float kAccumulatorScale = 256.0f;                    // 2^8, undone in the epilogue
+
+// Row order inside a 16-row tile. kPairs (plain epilogue): local rows g and g+8 hold features 2g and
+// 2g+1, so one lane's two accumulators of a token are adjacent outputs (4-byte stores, full sectors).
+// kGateUp (SwiGLU epilogue): rows 0-7 are gate rows 8t..8t+7, rows 8-15 the same up rows, so a lane
+// holds gate_j and up_j together and applies SwiGLU in registers.
+enum class RowOrder : int { kPairs = 0, kGateUp = 1 };
+
+FP4MOE_HD int64_t disk_row(int64_t mtile, int local_row, int64_t n, RowOrder order) {
+  if (order == RowOrder::kGateUp)
+    return local_row < 8 ? mtile * 8 + local_row : n / 2 + mtile * 8 + (local_row - 8);
+  return mtile * 16 + (local_row < 8 ? 2 * local_row : 2 * (local_row - 8) + 1);
+}
+
+// Value index v (0..7) of a lane's k16 fragment -> (local row, k offset within the k16 step), as
+// mma.m16n8k16's A layout defines it: a0,a1 (row g, k 2t,2t+1) a2,a3 (row g+8) a4..a7 (+8 in k).
+FP4MOE_HD int frag_row(int lane, int v) { return (lane >> 2) + ((v >> 1) & 1) * 8; }
+FP4MOE_HD int frag_k(int lane, int v) { return (lane & 3) * 2 + (v & 1) + (v >> 2) * 8; }
+
+// Bit positions of value v's magnitude (3 bits) and sign inside the word.
+FP4MOE_HD int mag_pos(int v) { return pair_mag_pos(v >> 1) + (v & 1) * 16; }
+FP4MOE_HD int sign_pos(int v) { return pair_sign_pos(v >> 1) + (v & 1) * 16; }
+
+FP4MOE_HD uint32_t place_code(uint8_t code, int v) {
+  return (static_cast<uint32_t>(code & 7u) << mag_pos(v)) | (static_cast<uint32_t>((code >> 3) & 1u) << sign_pos(v));
+}
+FP4MOE_HD uint8_t extract_code(uint32_t word, int v) {
+  return static_cast<uint8_t>(((word >> mag_pos(v)) & 7u) | (((word >> sign_pos(v)) & 1u) << 3));
+}
+
+// E4M3 scale byte -> kernel scale byte. Requires a finite, positive scale (checked by the callers).
+FP4MOE_HD uint8_t encode_scale(uint8_t e4m3) {
+  const uint32_t e = (e4m3 >> 3) & 0xfu, m = e4m3 & 7u;
+  if (e != 0) return static_cast<uint8_t>(e4m3 + 16);  // ((e - 7 + 9) << 3) | m
+  // subnormal m * 2^-9: normalize
+  constexpr uint8_t kSub[8] = {0, 0, 8, 12, 16, 18, 20, 22};
+  return kSub[m];
+}
+FP4MOE_HD uint8_t decode_scale(uint8_t code) {
+  const uint32_t eb = code >> 3, m = code & 7u;  // eb = E + 9
+  if (eb >= 3) return static_cast<uint8_t>(code - 16);  // E >= -6: an E4M3 normal
+  // E in [-9, -7]: E4M3 subnormals k * 2^-9 (k = 1; 2, 3; 4..7)
+  if (eb == 2) return static_cast<uint8_t>(4 + m / 2);
+  if (eb == 1) return static_cast<uint8_t>(2 + m / 4);
+  return 1;
+}
+// A valid scale for the kernel encoding: positive and finite (zero scales are rewritten by the repack).
+FP4MOE_HD bool scale_encodable(uint8_t e4m3) { return e4m3 != 0 && e4m3 < 0x7f; }
+
+// Repacked offsets (bytes) within one expert.
+FP4MOE_HD int64_t codes_word_offset(int64_t mtile, int64_t chunk, int lane, int j, int64_t k) {
+  return ((mtile * (k / 64) + chunk) * 32 + lane) * 16 + j * 4;
+}
+// Scales: per (mtile, chunk) 64 bytes ordered [g][j][half]: lane g reads 8 bytes holding rows g and g+8
+// for the chunk's four k16 blocks.
+FP4MOE_HD int64_t scale_byte_offset(int64_t mtile, int64_t chunk, int g, int j, int half, int64_t k) {
+  return (mtile * (k / 64) + chunk) * 64 + g * 8 + j * 2 + half;
+}
+
+}  // namespace fp4moe::layout

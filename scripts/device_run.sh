@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (the device tool): GPU tests, then benchmarks, everything logged under
+# $OUT. Binaries are built on the development machine (scripts/build.sh) and carried as build/.
+#   scripts/device_run.sh [tests] [bench] [tune] [ncu]   (default: tests bench)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fp4moe-out}
+B=${FP4MOE_BUILD_DIR:-build}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests bench)
+{
+  echo "commit: ${FP4MOE_COMMIT:-unknown}"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
+} > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+for s in "${steps[@]}"; do
+  case "$s" in
+    tests)
+      "$B/fp4moe_gpu_tests" --gtest_brief=1 ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$OUT/gpu_tests.log" 2>&1
+      echo "gpu tests rc=$?"; grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|error" "$OUT/gpu_tests.log" | head -60 ;;
+    bench)
+      "$B/fp4moe" bench --model "${FP4MOE_MODEL:-glm-5}" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" ;;
+    tune)
+      "$B/fp4moe" tune --model "${FP4MOE_MODEL:-glm-5}" --out "$OUT/tune.json" 2>&1 | tail -30 ;;
+    *) echo "unknown step $s" ;;
+  esac
+done

@@ -1,0 +1,400 @@
+// MoeLayer: host launch code of the whole MoE layer (moe_layer.hpp). Device code lives in
+// include/fp4moe/kernels/{routing_topk,moe_permute,moe_combine}.cuh.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <utility>
+
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/error.hpp"
+#include "fp4moe/grouped_gemm.hpp"
+#include "fp4moe/kernels/moe_combine.cuh"
+#include "fp4moe/kernels/moe_permute.cuh"
+#include "fp4moe/kernels/routing_topk.cuh"
+#include "fp4moe/moe_layer.hpp"
+
+namespace fp4moe {
+
+static_assert(kernels::kPermuteChunk == kMoePermuteChunk,
+              "the workspace layout (moe_layer_plan.cpp) sizes the chunk counts with kMoePermuteChunk");
+
+// ---- OwnedDeviceBuffer ----
+OwnedDeviceBuffer::OwnedDeviceBuffer(size_t bytes) : bytes_(bytes) {
+  if (bytes > 0) FP4MOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+}
+OwnedDeviceBuffer::~OwnedDeviceBuffer() {
+  if (ptr_ != nullptr) cudaFree(ptr_);  // no throw from a destructor; a failure here is not actionable
+}
+OwnedDeviceBuffer& OwnedDeviceBuffer::operator=(OwnedDeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_ != nullptr) cudaFree(ptr_);
+    ptr_ = std::exchange(o.ptr_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+namespace {
+
+// cuBLAS's recommended user workspace on Hopper. Given explicitly so that the router GEMM allocates
+// nothing while a CUDA graph is being captured.
+constexpr size_t kCublasWorkspaceBytes = 32u << 20;
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stream) {
+  if (src == nullptr) return {};
+  OwnedDeviceBuffer b(bytes);
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.get(), src, bytes, cudaMemcpyDeviceToDevice, stream));
+  return b;
+}
+
+struct RepackedGemm {
+  OwnedDeviceBuffer codes, scales, global, global_up, bias;
+  GroupedWeightsView view;
+};
+
+RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const float* global,
+                         const float* global_up, const float* bias, int num_experts, int64_t n, int64_t k,
+                         bool gate_up, cudaStream_t stream) {
+  RepackedGemm g;
+  g.codes = OwnedDeviceBuffer(num_experts * repacked_codes_bytes(n, k));
+  g.scales = OwnedDeviceBuffer(num_experts * repacked_scales_bytes(n, k));
+  repack_nvfp4_weights_device(codes, scales, num_experts, n, k, gate_up, g.codes.as<uint8_t>(),
+                              g.scales.as<uint8_t>(), stream);
+  g.global = copy_to_owned(global, num_experts * sizeof(float), stream);
+  g.global_up = copy_to_owned(global_up, num_experts * sizeof(float), stream);
+  g.bias = copy_to_owned(bias, static_cast<size_t>(num_experts * n) * sizeof(float), stream);
+  g.view.num_experts = num_experts;
+  g.view.n = n;
+  g.view.k = k;
+  g.view.gate_up_interleaved = gate_up;
+  g.view.codes = g.codes.as<uint8_t>();
+  g.view.scales = g.scales.as<uint8_t>();
+  g.view.global_scale = g.global.as<float>();
+  g.view.global_scale_up = g.global_up.as<float>();
+  g.view.bias = g.bias.as<float>();
+  return g;
+}
+
+template <int kPerLane>
+void launch_routing(const kernels::RoutingParams& p, cudaStream_t stream) {
+  const auto grid = static_cast<unsigned>((p.tokens + kernels::kRoutingWarps - 1) / kernels::kRoutingWarps);
+  kernels::routing_topk_kernel<kPerLane><<<grid, kernels::kRoutingWarps * 32, 0, stream>>>(p);
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void moe_route(const MoeConfig& cfg, const float* logits, const float* router_bias, int64_t tokens,
+               int32_t* topk_ids, float* topk_weights, cudaStream_t stream) {
+  validate_moe_layer_config(cfg);
+  FP4MOE_REQUIRE(tokens >= 1, "moe_route: tokens = {} must be >= 1", tokens);
+  FP4MOE_REQUIRE(logits != nullptr && topk_ids != nullptr && topk_weights != nullptr,
+                 "moe_route: logits = {}, topk_ids = {}, topk_weights = {} must all be non-null",
+                 static_cast<const void*>(logits), static_cast<const void*>(topk_ids),
+                 static_cast<const void*>(topk_weights));
+  FP4MOE_REQUIRE(cfg.router != RouterKind::kSoftmaxTopK || router_bias == nullptr,
+                 "moe_route: config '{}' uses the softmax router, which takes no bias; router_bias must be null",
+                 cfg.name);
+  kernels::RoutingParams rp;
+  rp.logits = logits;
+  rp.bias = router_bias;
+  rp.topk_ids = topk_ids;
+  rp.topk_weights = topk_weights;
+  rp.tokens = tokens;
+  rp.num_experts = cfg.num_experts;
+  rp.top_k = cfg.top_k;
+  rp.n_group = cfg.router == RouterKind::kSigmoidGrouped ? cfg.n_group : 1;
+  rp.topk_group = cfg.router == RouterKind::kSigmoidGrouped ? cfg.topk_group : 1;
+  rp.renormalize = cfg.renormalize ? 1 : 0;
+  rp.routed_scaling = cfg.routed_scaling;
+  rp.kind = cfg.router;
+  const int E = cfg.num_experts;
+  if (E <= 32) launch_routing<1>(rp, stream);
+  else if (E <= 64) launch_routing<2>(rp, stream);
+  else if (E <= 128) launch_routing<4>(rp, stream);
+  else if (E <= 256) launch_routing<8>(rp, stream);
+  else launch_routing<16>(rp, stream);
+}
+
+void moe_permute(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids, const float* topk_weights,
+                 int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of, float* row_scale,
+                 int32_t* shared_offsets, cudaStream_t stream) {
+  FP4MOE_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts, "moe_permute: num_experts = {} must be in [1, {}]",
+                 num_experts, kMaxExperts);
+  FP4MOE_REQUIRE(top_k >= 1 && top_k <= kMaxTopK, "moe_permute: top_k = {} must be in [1, {}]", top_k, kMaxTopK);
+  FP4MOE_REQUIRE(tokens >= 1 && tokens * top_k <= INT32_MAX / 2,
+                 "moe_permute: tokens = {} must be >= 1 and tokens * top_k = {} within the int32 row range", tokens,
+                 tokens * top_k);
+  FP4MOE_REQUIRE(topk_ids && topk_weights && chunk_counts && expert_offsets && row_of && row_scale,
+                 "moe_permute: topk_ids, topk_weights, chunk_counts, expert_offsets, row_of and row_scale must all "
+                 "be non-null");
+  const int64_t n = tokens * top_k;
+  const auto chunks = static_cast<unsigned>(moe_permute_chunks(n));
+  kernels::moe_count_kernel<<<chunks, kernels::kPermuteWarps * 32, 0, stream>>>(topk_ids, n, num_experts,
+                                                                                   chunk_counts);
+  FP4MOE_CUDA_CHECK_LAUNCH();
+  kernels::moe_scan_kernel<<<1, kernels::kScanThreads, 0, stream>>>(chunk_counts, static_cast<int>(chunks),
+                                                                    num_experts, expert_offsets, shared_offsets,
+                                                                    static_cast<int32_t>(tokens));
+  FP4MOE_CUDA_CHECK_LAUNCH();
+  kernels::moe_scatter_kernel<<<chunks, kernels::kPermuteWarps * 32, 0, stream>>>(
+      topk_ids, topk_weights, n, num_experts, chunk_counts, expert_offsets, row_of, row_scale);
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+void require_rows(const char* fn, const void* p, const char* name, int64_t hidden_size) {
+  FP4MOE_REQUIRE(p != nullptr && aligned(p, 16), "{}: {} = {} must be a non-null, 16-byte aligned device pointer",
+                 fn, name, p);
+  FP4MOE_REQUIRE(hidden_size > 0 && hidden_size % 8 == 0,
+                 "{}: hidden_size = {} must be a positive multiple of 8 (rows move as 16-byte vectors)", fn,
+                 hidden_size);
+}
+int row_threads(int64_t h8) { return h8 >= 256 ? 256 : static_cast<int>((h8 + 31) / 32 * 32); }
+}  // namespace
+
+void moe_gather(const void* hidden, int64_t tokens, int64_t hidden_size, const int32_t* row_of, int top_k,
+                void* sorted, cudaStream_t stream) {
+  require_rows("moe_gather", hidden, "hidden", hidden_size);
+  require_rows("moe_gather", sorted, "sorted", hidden_size);
+  FP4MOE_REQUIRE(tokens >= 1 && top_k >= 1 && top_k <= kMaxTopK && row_of != nullptr,
+                 "moe_gather: tokens = {} must be >= 1, top_k = {} in [1, {}], row_of non-null", tokens, top_k,
+                 kMaxTopK);
+  const int64_t h8 = hidden_size / 8;
+  kernels::moe_gather_kernel<<<static_cast<unsigned>(tokens), row_threads(h8), 0, stream>>>(
+      static_cast<const uint4*>(hidden), h8, row_of, top_k, static_cast<uint4*>(sorted));
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
+
+void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens,
+                 int64_t hidden_size, void* out, cudaStream_t stream) {
+  require_rows("moe_combine", y, "y", hidden_size);
+  require_rows("moe_combine", out, "out", hidden_size);
+  FP4MOE_REQUIRE(shared_y == nullptr || aligned(shared_y, 16), "moe_combine: shared_y = {} must be 16-byte aligned",
+                 shared_y);
+  FP4MOE_REQUIRE(tokens >= 1 && top_k >= 1 && top_k <= kMaxTopK && row_of != nullptr,
+                 "moe_combine: tokens = {} must be >= 1, top_k = {} in [1, {}], row_of non-null", tokens, top_k,
+                 kMaxTopK);
+  const int64_t h8 = hidden_size / 8;
+  kernels::moe_combine_kernel<<<static_cast<unsigned>(tokens), row_threads(h8), 0, stream>>>(
+      static_cast<const uint4*>(y), static_cast<const uint4*>(shared_y), row_of, top_k, h8, static_cast<uint4*>(out));
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
+
+struct MoeLayer::Impl {
+  MoeConfig cfg;
+  int64_t max_tokens = 0;
+  int device = 0;
+  int num_sms = 0;
+  RepackedGemm gemm1, gemm2, shared1, shared2;
+  OwnedDeviceBuffer router_bias, router_weight, cublas_workspace;
+  cublasHandle_t cublas = nullptr;
+  MoeTileConfigs tiles;
+  MoeWorkspaceLayout layout;
+
+  ~Impl() {
+    if (cublas != nullptr) cublasDestroy(cublas);
+  }
+};
+
+MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_tokens, cudaStream_t stream)
+    : impl_(std::make_unique<Impl>()) {
+  validate_moe_layer_config(cfg);
+  validate_moe_layer_weights(cfg, w);
+  FP4MOE_REQUIRE(max_tokens >= 1, "max_tokens = {} must be >= 1", max_tokens);
+  Impl& m = *impl_;
+  m.cfg = cfg;
+  m.max_tokens = max_tokens;
+  m.layout = moe_workspace_layout(cfg, max_tokens, w.router_weight != nullptr);
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&m.device));
+  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&m.num_sms, cudaDevAttrMultiProcessorCount, m.device));
+
+  const int E = cfg.num_experts;
+  const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
+  m.gemm1 = repack_gemm(w.w13_codes, w.w13_scales, w.w13_global, w.w13_global_up, w.b13, E, 2 * I, H,
+                        /*gate_up=*/true, stream);
+  m.gemm2 = repack_gemm(w.w2_codes, w.w2_scales, w.w2_global, nullptr, w.b2, E, H, I, false, stream);
+  if (cfg.num_shared > 0) {
+    m.shared1 = repack_gemm(w.shared_w13_codes, w.shared_w13_scales, w.shared_w13_global,
+                            w.shared_w13_global_up, w.shared_b13, 1, 2 * Is, H, true, stream);
+    m.shared2 = repack_gemm(w.shared_w2_codes, w.shared_w2_scales, w.shared_w2_global, nullptr, w.shared_b2,
+                            1, H, Is, false, stream);
+  }
+  m.router_bias = copy_to_owned(w.router_bias, E * sizeof(float), stream);
+  if (w.router_weight != nullptr) {
+    m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * H) * 2, stream);
+    m.cublas_workspace = OwnedDeviceBuffer(kCublasWorkspaceBytes);
+    FP4MOE_CUBLAS_CHECK(cublasCreate(&m.cublas));
+    FP4MOE_CUBLAS_CHECK(cublasSetWorkspace(m.cublas, m.cublas_workspace.get(), kCublasWorkspaceBytes));
+  }
+  // The copies read the caller's buffers asynchronously; finishing here lets the caller free them.
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+MoeLayer::~MoeLayer() = default;
+MoeLayer::MoeLayer(MoeLayer&&) noexcept = default;
+MoeLayer& MoeLayer::operator=(MoeLayer&&) noexcept = default;
+
+const MoeConfig& MoeLayer::config() const { return impl_->cfg; }
+int64_t MoeLayer::max_tokens() const { return impl_->max_tokens; }
+bool MoeLayer::has_router_weight() const { return impl_->router_weight.get() != nullptr; }
+size_t MoeLayer::workspace_bytes() const { return impl_->layout.total; }
+MoeWorkspaceLayout MoeLayer::workspace_layout() const { return impl_->layout; }
+void MoeLayer::set_tile_configs(const MoeTileConfigs& tiles) { impl_->tiles = tiles; }
+
+MoeResolvedTileConfigs MoeLayer::tile_configs(int64_t tokens) const {
+  const Impl& m = *impl_;
+  const MoeConfig& c = m.cfg;
+  const double per_expert = static_cast<double>(tokens) * c.top_k / c.num_experts;
+  const int64_t Is = c.intermediate * c.num_shared;
+  MoeResolvedTileConfigs r;
+  r.gemm1 = m.tiles.gemm1 ? *m.tiles.gemm1 : heuristic_tile_config(c.gemm1_n(), c.gemm1_k(), per_expert, m.num_sms);
+  r.gemm2 = m.tiles.gemm2 ? *m.tiles.gemm2 : heuristic_tile_config(c.gemm2_n(), c.gemm2_k(), per_expert, m.num_sms);
+  if (c.num_shared > 0) {
+    r.shared_gemm1 = m.tiles.shared_gemm1 ? *m.tiles.shared_gemm1
+                                          : heuristic_tile_config(2 * Is, c.hidden, static_cast<double>(tokens), m.num_sms);
+    r.shared_gemm2 = m.tiles.shared_gemm2 ? *m.tiles.shared_gemm2
+                                          : heuristic_tile_config(c.hidden, Is, static_cast<double>(tokens), m.num_sms);
+  }
+  return r;
+}
+
+MoeIntermediates MoeLayer::intermediates(void* workspace) const {
+  const MoeWorkspaceLayout& l = impl_->layout;
+  char* ws = static_cast<char*>(workspace);
+  MoeIntermediates r;
+  r.router_logits = has_router_weight() ? reinterpret_cast<float*>(ws + l.router_logits) : nullptr;
+  r.topk_ids = reinterpret_cast<int32_t*>(ws + l.topk_ids);
+  r.topk_weights = reinterpret_cast<float*>(ws + l.topk_weights);
+  r.expert_offsets = reinterpret_cast<int32_t*>(ws + l.expert_offsets);
+  r.row_of = reinterpret_cast<int32_t*>(ws + l.row_of);
+  r.row_scale = reinterpret_cast<float*>(ws + l.row_scale);
+  r.sorted_hidden = ws + l.sorted_hidden;
+  r.gemm1_out = ws + l.gemm1_out;
+  r.gemm2_out = ws + l.gemm2_out;
+  r.shared_gemm2_out = impl_->cfg.num_shared > 0 ? ws + l.shared_gemm2_out : nullptr;
+  return r;
+}
+
+void MoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens, const float* router_logits,
+                       void* out, void* workspace, size_t workspace_size, const cudaEvent_t* stage_events) const {
+  const Impl& m = *impl_;
+  const MoeConfig& c = m.cfg;
+  FP4MOE_REQUIRE(tokens >= 1 && tokens <= m.max_tokens,
+                 "MoeLayer::forward: tokens = {} must be in [1, max_tokens = {}] (max_tokens is fixed at "
+                 "construction; it sizes the workspace)", tokens, m.max_tokens);
+  FP4MOE_REQUIRE(hidden != nullptr && aligned(hidden, 16),
+                 "MoeLayer::forward: hidden = {} must be a non-null, 16-byte aligned bf16 [T, H] device pointer",
+                 hidden);
+  FP4MOE_REQUIRE(out != nullptr && aligned(out, 16),
+                 "MoeLayer::forward: out = {} must be a non-null, 16-byte aligned bf16 [T, H] device pointer", out);
+  FP4MOE_REQUIRE(router_logits != nullptr || has_router_weight(),
+                 "MoeLayer::forward: router_logits is null and the layer has no router weight "
+                 "(MoeLayerWeights::router_weight); pass fp32 [T, E] logits");
+  FP4MOE_REQUIRE(router_logits == nullptr || aligned(router_logits, 4),
+                 "MoeLayer::forward: router_logits = {} must be 4-byte aligned",
+                 static_cast<const void*>(router_logits));
+  FP4MOE_REQUIRE(workspace != nullptr && aligned(workspace, 16),
+                 "MoeLayer::forward: workspace = {} must be a non-null, 16-byte aligned device pointer", workspace);
+  FP4MOE_REQUIRE(workspace_size >= m.layout.total,
+                 "MoeLayer::forward: workspace_size = {} bytes is less than workspace_bytes() = {} "
+                 "(max_tokens = {})", workspace_size, m.layout.total, m.max_tokens);
+  int device = -1;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  FP4MOE_REQUIRE(device == m.device,
+                 "MoeLayer::forward: current device {} differs from device {} the layer was built on", device,
+                 m.device);
+
+  const MoeIntermediates ws = intermediates(workspace);
+  char* base = static_cast<char*>(workspace);
+  int32_t* chunk_counts = reinterpret_cast<int32_t*>(base + m.layout.chunk_counts);
+  int32_t* shared_offsets = reinterpret_cast<int32_t*>(base + m.layout.shared_offsets);
+  void* shared_gemm1_out = base + m.layout.shared_gemm1_out;
+  const MoeResolvedTileConfigs tiles = tile_configs(tokens);
+  const int E = c.num_experts, k = c.top_k;
+  const int64_t H = c.hidden, n = tokens * k;
+  (void)E;
+  auto mark = [&](int i) {
+    if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(stage_events[i], stream));
+  };
+
+  // ---- routing ----
+  mark(0);
+  const float* logits = router_logits;
+  if (logits == nullptr) {
+    // logits[T, E] (row-major) = hidden[T, H] . W[E, H]^T; in cuBLAS's column-major terms
+    // C[E, T] = W^T (W is column-major [H, E]) times hidden (column-major [H, T]).
+    const float one = 1.0f, zero = 0.0f;
+    FP4MOE_CUBLAS_CHECK(cublasSetStream(m.cublas, stream));
+    FP4MOE_CUBLAS_CHECK(cublasGemmEx(m.cublas, CUBLAS_OP_T, CUBLAS_OP_N, E, static_cast<int>(tokens),
+                                     static_cast<int>(H), &one, m.router_weight.get(), CUDA_R_16BF,
+                                     static_cast<int>(H), hidden, CUDA_R_16BF, static_cast<int>(H), &zero,
+                                     ws.router_logits, CUDA_R_32F, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    logits = ws.router_logits;
+  }
+  moe_route(c, logits, m.router_bias.as<float>(), tokens, ws.topk_ids, ws.topk_weights, stream);
+  mark(1);
+
+  // ---- permutation + gather ----
+  moe_permute(E, k, tokens, ws.topk_ids, ws.topk_weights, chunk_counts, ws.expert_offsets, ws.row_of,
+              ws.row_scale, c.num_shared > 0 ? shared_offsets : nullptr, stream);
+  moe_gather(hidden, tokens, H, ws.row_of, k, ws.sorted_hidden, stream);
+  mark(2);
+
+  // ---- GEMM1 (+ activation) ----
+  const GemmEpilogue act_epi =
+      c.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
+  {
+    GroupedGemmArgs a;
+    a.act = ws.sorted_hidden;
+    a.expert_offsets = ws.expert_offsets;
+    a.max_rows = n;
+    a.out = ws.gemm1_out;
+    a.epilogue = act_epi;
+    a.swiglu_alpha = c.swiglu_alpha;
+    a.swiglu_limit = c.swiglu_limit;
+    grouped_gemm_nvfp4(m.gemm1.view, a, tiles.gemm1, stream);
+  }
+  if (c.num_shared > 0) {
+    GroupedGemmArgs a;
+    a.act = hidden;  // the shared expert sees every token in order: no gather
+    a.expert_offsets = shared_offsets;
+    a.max_rows = tokens;
+    a.out = shared_gemm1_out;
+    a.epilogue = act_epi;
+    a.swiglu_alpha = c.swiglu_alpha;
+    a.swiglu_limit = c.swiglu_limit;
+    grouped_gemm_nvfp4(m.shared1.view, a, tiles.shared_gemm1, stream);
+  }
+  mark(3);
+
+  // ---- GEMM2 (x routing weight) ----
+  {
+    GroupedGemmArgs a;
+    a.act = ws.gemm1_out;
+    a.expert_offsets = ws.expert_offsets;
+    a.max_rows = n;
+    a.row_scale = ws.row_scale;
+    a.out = ws.gemm2_out;
+    a.epilogue = GemmEpilogue::kPlain;
+    grouped_gemm_nvfp4(m.gemm2.view, a, tiles.gemm2, stream);
+  }
+  if (c.num_shared > 0) {
+    GroupedGemmArgs a;
+    a.act = shared_gemm1_out;
+    a.expert_offsets = shared_offsets;
+    a.max_rows = tokens;
+    a.out = ws.shared_gemm2_out;
+    a.epilogue = GemmEpilogue::kPlain;
+    grouped_gemm_nvfp4(m.shared2.view, a, tiles.shared_gemm2, stream);
+  }
+  mark(4);
+
+  // ---- combine ----
+  moe_combine(ws.gemm2_out, ws.shared_gemm2_out, ws.row_of, k, tokens, H, out, stream);
+  mark(5);
+}
+
+}  // namespace fp4moe

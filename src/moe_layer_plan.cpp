@@ -1,0 +1,115 @@
+// Host-only parts of the MoE layer: config and weight checks, the workspace layout. No CUDA calls, so
+// the CPU test suite covers them.
+#include <cstdint>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/moe_layer.hpp"
+
+namespace fp4moe {
+
+namespace {
+
+bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+void require_ptr(const void* p, const char* name, size_t align, const MoeConfig& cfg) {
+  FP4MOE_REQUIRE(p != nullptr, "MoeLayerWeights::{} is null; config '{}' needs it", name, cfg.name);
+  FP4MOE_REQUIRE(aligned(p, align), "MoeLayerWeights::{} = {} must be {}-byte aligned", name, p, align);
+}
+
+void require_opt(const void* p, const char* name, size_t align) {
+  FP4MOE_REQUIRE(p == nullptr || aligned(p, align), "MoeLayerWeights::{} = {} must be {}-byte aligned",
+                 name, p, align);
+}
+
+}  // namespace
+
+void validate_moe_layer_config(const MoeConfig& cfg) {
+  cfg.validate();
+  FP4MOE_REQUIRE(cfg.format == WeightFormat::kNvfp4,
+                 "config '{}': the GPU MoE layer runs NVFP4 expert weights only (format = MXFP4 given)",
+                 cfg.name);
+  // The router keeps one group score per lane of a warp.
+  FP4MOE_REQUIRE(cfg.router != RouterKind::kSigmoidGrouped || cfg.n_group <= 32,
+                 "config '{}': n_group = {} must be <= 32 (the GPU router holds one group per warp lane)",
+                 cfg.name, cfg.n_group);
+}
+
+void validate_moe_layer_weights(const MoeConfig& cfg, const MoeLayerWeights& w) {
+  // Codes and scales are read by the repack kernel with 16-byte vectors where possible; requiring
+  // 16-byte alignment of every tensor keeps all paths legal. Scalars arrays need 4 bytes.
+  require_ptr(w.w13_codes, "w13_codes", 16, cfg);
+  require_ptr(w.w13_scales, "w13_scales", 16, cfg);
+  require_ptr(w.w13_global, "w13_global", 4, cfg);
+  require_opt(w.w13_global_up, "w13_global_up", 4);
+  require_ptr(w.w2_codes, "w2_codes", 16, cfg);
+  require_ptr(w.w2_scales, "w2_scales", 16, cfg);
+  require_ptr(w.w2_global, "w2_global", 4, cfg);
+  if (cfg.expert_bias) {
+    require_ptr(w.b13, "b13", 4, cfg);
+    require_ptr(w.b2, "b2", 4, cfg);
+  } else {
+    FP4MOE_REQUIRE(w.b13 == nullptr && w.b2 == nullptr,
+                   "MoeLayerWeights::b13 = {} / b2 = {}: config '{}' has expert_bias = false, so both must "
+                   "be null (set expert_bias to use them)", static_cast<const void*>(w.b13),
+                   static_cast<const void*>(w.b2), cfg.name);
+  }
+  FP4MOE_REQUIRE(cfg.router != RouterKind::kSoftmaxTopK || w.router_bias == nullptr,
+                 "MoeLayerWeights::router_bias = {}: config '{}' uses the softmax router, which takes no "
+                 "bias; pass null", static_cast<const void*>(w.router_bias), cfg.name);
+  require_opt(w.router_bias, "router_bias", 4);
+  require_opt(w.router_weight, "router_weight", 16);
+  if (cfg.num_shared > 0) {
+    require_ptr(w.shared_w13_codes, "shared_w13_codes", 16, cfg);
+    require_ptr(w.shared_w13_scales, "shared_w13_scales", 16, cfg);
+    require_ptr(w.shared_w13_global, "shared_w13_global", 4, cfg);
+    require_opt(w.shared_w13_global_up, "shared_w13_global_up", 4);
+    require_ptr(w.shared_w2_codes, "shared_w2_codes", 16, cfg);
+    require_ptr(w.shared_w2_scales, "shared_w2_scales", 16, cfg);
+    require_ptr(w.shared_w2_global, "shared_w2_global", 4, cfg);
+    if (cfg.expert_bias) {
+      require_ptr(w.shared_b13, "shared_b13", 4, cfg);
+      require_ptr(w.shared_b2, "shared_b2", 4, cfg);
+    }
+  }
+  if (!cfg.expert_bias || cfg.num_shared == 0)
+    FP4MOE_REQUIRE(w.shared_b13 == nullptr && w.shared_b2 == nullptr,
+                   "MoeLayerWeights::shared_b13 / shared_b2 must be null for config '{}' (expert_bias = {}, "
+                   "num_shared = {})", cfg.name, cfg.expert_bias, cfg.num_shared);
+}
+
+int64_t moe_permute_chunks(int64_t n) { return (n + kMoePermuteChunk - 1) / kMoePermuteChunk; }
+
+MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens, bool router_gemm) {
+  validate_moe_layer_config(cfg);
+  FP4MOE_REQUIRE(max_tokens >= 1, "max_tokens = {} must be >= 1", max_tokens);
+  const int64_t rows = max_tokens * cfg.top_k;
+  // Row indices and the GEMM's expert offsets are int32.
+  FP4MOE_REQUIRE(rows <= INT32_MAX / 2,
+                 "max_tokens * top_k = {} * {} = {} rows exceeds the int32 row index range", max_tokens,
+                 cfg.top_k, rows);
+  const int64_t E = cfg.num_experts, H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
+  MoeWorkspaceLayout l;
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off = align_up(off + bytes, 256);
+    return at;
+  };
+  l.router_logits = take(router_gemm ? static_cast<size_t>(max_tokens * E) * 4 : 0);
+  l.topk_ids = take(static_cast<size_t>(rows) * 4);
+  l.topk_weights = take(static_cast<size_t>(rows) * 4);
+  l.chunk_counts = take(static_cast<size_t>(moe_permute_chunks(rows) * E) * 4);
+  l.expert_offsets = take(static_cast<size_t>(E + 1) * 4);
+  l.shared_offsets = take(2 * 4);
+  l.row_of = take(static_cast<size_t>(rows) * 4);
+  l.row_scale = take(static_cast<size_t>(rows) * 4);
+  l.sorted_hidden = take(static_cast<size_t>(rows * H) * 2);
+  l.gemm1_out = take(static_cast<size_t>(rows * I) * 2);
+  l.gemm2_out = take(static_cast<size_t>(rows * H) * 2);
+  l.shared_gemm1_out = take(static_cast<size_t>(max_tokens * Is) * 2);
+  l.shared_gemm2_out = take(cfg.num_shared > 0 ? static_cast<size_t>(max_tokens * H) * 2 : 0);
+  l.total = off;
+  return l;
+}
+
+}  // namespace fp4moe

@@ -1,0 +1,160 @@
+// Host launcher of the sm80-nvfp4-grouped kernel: argument checks, config lookup, per-device launch
+// attributes (cached), persistent grid sizing. Never synchronizes; allocates nothing.
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <mutex>
+#include <vector>
+
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/grouped_gemm.hpp"
+#include "sm80_nvfp4_grouped_gemm_internal.hpp"
+
+namespace fp4moe {
+
+std::string TileConfig::name() const {
+  return fmt::format("bn{}_bt{}_bk{}_s{}_w{}", bn, bt, bk, stages, warps);
+}
+
+namespace {
+
+int config_index(const TileConfig& cfg) {
+  for (int i = 0; i < kNumGemmConfigs; ++i)
+    if (kGemmConfigs[i] == cfg) return i;
+  std::string known;
+  for (const auto& c : kGemmConfigs) known += (known.empty() ? "" : ", ") + c.name();
+  FP4MOE_FAIL("tile config {} is not instantiated; the instantiated configs are: {}", cfg.name(), known);
+}
+
+detail::GemmKernelFn kernel_for(int idx, GemmEpilogue epi) {
+  switch (epi) {
+    case GemmEpilogue::kPlain: return detail::gemm_kernels_plain()[idx];
+    case GemmEpilogue::kSwiGLU: return detail::gemm_kernels_swiglu()[idx];
+    case GemmEpilogue::kGptOssSwiGLU: return detail::gemm_kernels_gptoss()[idx];
+  }
+  FP4MOE_FAIL("epilogue {} is not a GemmEpilogue value", static_cast<int>(epi));
+}
+
+struct LaunchInfo {
+  bool ready = false;
+  int sms = 0;
+  int ctas_per_sm = 0;
+};
+
+// Per (device, kernel): raise the dynamic shared-memory limit once and record the occupancy, so the
+// per-call cost is a table lookup (and the call stays legal inside CUDA-graph capture).
+LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& cfg) {
+  static std::mutex mu;
+  static std::vector<std::pair<std::pair<int, detail::GemmKernelFn>, LaunchInfo>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& [key, info] : cache)
+    if (key.first == device && key.second == fn) return info;
+  LaunchInfo info;
+  cudaDeviceProp prop{};
+  FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  const size_t smem = gemm_smem_layout(cfg).total_bytes;
+  if (smem > prop.sharedMemPerBlockOptin)
+    throw ResourceError(fmt::format(
+        "fp4moe: tile config {} needs {} B of shared memory per block; {} (sm_{}{}) allows {} B (over by {} B)",
+        cfg.name(), smem, prop.name, prop.major, prop.minor, prop.sharedMemPerBlockOptin,
+        smem - prop.sharedMemPerBlockOptin));
+  FP4MOE_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  FP4MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&info.ctas_per_sm, reinterpret_cast<const void*>(fn),
+                                                                  cfg.threads(), smem));
+  if (info.ctas_per_sm < 1)
+    throw ResourceError(fmt::format("fp4moe: tile config {} cannot be resident on {} (registers or shared memory); "
+                                    "see `fp4moe explain`",
+                                    cfg.name(), prop.name));
+  info.sms = prop.multiProcessorCount;
+  info.ready = true;
+  cache.emplace_back(std::make_pair(device, fn), info);
+  return cache.back().second;
+}
+
+bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
+
+}  // namespace
+
+void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args, const TileConfig& cfg,
+                        cudaStream_t stream) {
+  FP4MOE_REQUIRE(w.num_experts >= 1 && w.num_experts <= kMaxExperts,
+                 "num_experts = {} must be in [1, {}]", w.num_experts, kMaxExperts);
+  FP4MOE_REQUIRE(w.n > 0 && w.n % 16 == 0, "weights n = {} must be a positive multiple of 16", w.n);
+  FP4MOE_REQUIRE(w.k > 0 && w.k % 64 == 0, "weights k = {} must be a positive multiple of 64", w.k);
+  FP4MOE_REQUIRE(w.k % cfg.bk == 0, "weights k = {} must be a multiple of the tile config's bk = {} ({})", w.k,
+                 cfg.bk, cfg.name());
+  FP4MOE_REQUIRE(w.n * w.k <= INT_MAX && args.max_rows * w.k <= (int64_t{1} << 40),
+                 "problem too large: n * k = {} (limit {})", w.n * w.k, INT_MAX);
+  FP4MOE_REQUIRE(args.max_rows > 0 && args.max_rows <= INT_MAX, "max_rows = {} must be in [1, {}]", args.max_rows,
+                 INT_MAX);
+  FP4MOE_REQUIRE(w.codes != nullptr && aligned(w.codes, 16), "weights codes = {} must be non-null and 16-byte aligned",
+                 fmt::ptr(w.codes));
+  FP4MOE_REQUIRE(w.scales != nullptr && aligned(w.scales, 16),
+                 "weights scales = {} must be non-null and 16-byte aligned", fmt::ptr(w.scales));
+  FP4MOE_REQUIRE(w.global_scale != nullptr, "weights global_scale must be non-null");
+  FP4MOE_REQUIRE(args.act != nullptr && aligned(args.act, 16), "act = {} must be non-null and 16-byte aligned",
+                 fmt::ptr(args.act));
+  FP4MOE_REQUIRE(args.expert_offsets != nullptr, "expert_offsets must be non-null");
+  FP4MOE_REQUIRE(args.out != nullptr && aligned(args.out, 4), "out = {} must be non-null and 4-byte aligned",
+                 fmt::ptr(args.out));
+  const bool swiglu = args.epilogue != GemmEpilogue::kPlain;
+  FP4MOE_REQUIRE(swiglu == w.gate_up_interleaved,
+                 "epilogue {} needs weights repacked with gate_up_interleave = {} (they were repacked with {})",
+                 swiglu ? "SwiGLU" : "plain", swiglu, w.gate_up_interleaved);
+  FP4MOE_REQUIRE(!swiglu || args.row_scale == nullptr, "row_scale is only supported by the plain epilogue");
+  FP4MOE_REQUIRE(swiglu || w.global_scale_up == nullptr, "global_scale_up is only meaningful for a SwiGLU epilogue");
+
+  const int idx = config_index(cfg);
+  const detail::GemmKernelFn fn = kernel_for(idx, args.epilogue);
+  int device = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  const LaunchInfo& info = launch_info(device, fn, cfg);
+
+  // Work tiles <= (rows / bt + experts) * feature tiles; more CTAs than that would only exit.
+  const int64_t ftiles = (w.n + cfg.bn - 1) / cfg.bn;
+  const int64_t max_tiles = (args.max_rows / cfg.bt + w.num_experts) * ftiles;
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, int64_t{info.sms} * info.ctas_per_sm)));
+
+  kernels::GroupedGemmParams p{};
+  p.codes = w.codes;
+  p.scales = w.scales;
+  p.global_scale = w.global_scale;
+  p.global_scale_up = w.global_scale_up;
+  p.bias = w.bias;
+  p.act = static_cast<const __nv_bfloat16*>(args.act);
+  p.offsets = args.expert_offsets;
+  p.row_scale = args.row_scale;
+  p.out = static_cast<__nv_bfloat16*>(args.out);
+  p.num_experts = w.num_experts;
+  p.n = static_cast<int>(w.n);
+  p.k = static_cast<int>(w.k);
+  p.max_rows = static_cast<int>(args.max_rows);
+  p.alpha = args.swiglu_alpha;
+  p.limit = args.swiglu_limit;
+  fn<<<grid, cfg.threads(), gemm_smem_layout(cfg).total_bytes, stream>>>(p);
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
+
+cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpilogue epilogue) {
+  const detail::GemmKernelFn fn = kernel_for(config_index(cfg), epilogue);
+  cudaFuncAttributes attr{};
+  FP4MOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(fn)));
+  return attr;
+}
+
+TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, int num_sms) {
+  const bool k128 = k % 128 == 0;
+  if (!k128) return rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};
+  // Rows of an active expert vary around the mean (random routing); cover ~1.5x the mean in one tile
+  // so that each expert's weights stream once.
+  const double r = rows_per_expert * 1.5;
+  (void)n;
+  (void)num_sms;
+  if (r <= 16) return TileConfig{128, 16, 128, 6, 8};
+  if (r <= 32) return TileConfig{128, 32, 128, 5, 8};
+  if (r <= 64) return TileConfig{128, 64, 128, 4, 8};
+  return TileConfig{256, 128, 64, 3, 8};
+}
+
+}  // namespace fp4moe

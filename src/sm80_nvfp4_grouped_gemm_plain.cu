@@ -1,0 +1,12 @@
+// Instantiations of sm80-nvfp4-grouped for the plain epilogue (every config of kGemmConfigs).
+#include "sm80_nvfp4_grouped_gemm_internal.hpp"
+
+namespace fp4moe::detail {
+
+const std::array<GemmKernelFn, kNumGemmConfigs>& gemm_kernels_plain() {
+  static const auto table =
+      make_gemm_kernel_table<kernels::kEpiPlain>(std::make_index_sequence<kNumGemmConfigs>{});
+  return table;
+}
+
+}  // namespace fp4moe::detail

@@ -1,0 +1,328 @@
+// Planner, architecture table, CUTLASS sm_120 model and tuner-cache tests (CPU only).
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "fp4moe/arch.hpp"
+#include "fp4moe/error.hpp"
+#include "fp4moe/planner.hpp"
+#include "fp4moe/tile_config.hpp"
+#include "fp4moe/tuner.hpp"
+
+namespace fp4moe {
+namespace {
+
+TEST(Arch, TableFiguresAndNames) {
+  EXPECT_EQ(arch_from_name("sm_120").smem_optin_per_block, 101376u);
+  EXPECT_EQ(arch_from_name("120").smem_per_sm, 102400u);
+  EXPECT_EQ(arch_from_name("sm90a").smem_optin_per_block, 232448u);
+  EXPECT_EQ(arch_from_name("9.0").smem_per_sm, 233472u);
+  EXPECT_EQ(arch_from_name("sm_100").smem_optin_per_block, 232448u);
+  EXPECT_EQ(arch_from_name("sm_80").smem_optin_per_block, 163u * 1024);
+  EXPECT_EQ(arch_from_name("sm_86").smem_optin_per_block, 99u * 1024);
+  EXPECT_EQ(arch_from_name("compute_89").max_threads_per_sm, 1536);
+  EXPECT_TRUE(arch_from_name("sm_90").has(kWgmma));
+  EXPECT_FALSE(arch_from_name("sm_100").has(kWgmma));
+  EXPECT_TRUE(arch_from_name("sm_103").has(kTcgen05));
+  EXPECT_TRUE(arch_from_name("sm_121").has(kMmaSyncBlockScaledFp4));
+  EXPECT_FALSE(arch_from_name("sm_90").has(kMmaSyncBlockScaledFp4));
+  for (const ArchInfo& a : arch_table()) {
+    EXPECT_EQ(a.reserved_smem_per_block, 1024u) << a.name;
+    EXPECT_EQ(a.smem_optin_per_block + a.reserved_smem_per_block, a.smem_per_sm) << a.name;
+    EXPECT_EQ(a.regs_per_sm, 65536) << a.name;
+    EXPECT_EQ(a.regs_per_thread_max, 255) << a.name;
+  }
+  try {
+    arch_from_name("sm_75");
+    FAIL() << "sm_75 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("sm_120"), std::string::npos) << e.what();
+  }
+}
+
+// The planner recounts every buffer independently; it must agree with the kernel's constexpr layout.
+TEST(Planner, SmemEqualsKernelLayoutForEveryConfig) {
+  for (const TileConfig& c : kGemmConfigs) {
+    const GemmSmemLayout l = gemm_smem_layout(c);
+    const Sm80SmemPlan p = plan_sm80_smem(c);
+    EXPECT_EQ(p.codes_bytes, l.codes_bytes) << c.name();
+    EXPECT_EQ(p.scales_bytes, l.scales_bytes) << c.name();
+    EXPECT_EQ(p.act_bytes, l.act_bytes) << c.name();
+    EXPECT_EQ(p.stage_bytes, l.stage_bytes) << c.name();
+    EXPECT_EQ(p.sched_offset, l.sched_offset) << c.name();
+    EXPECT_EQ(p.sched_bytes, l.sched_bytes) << c.name();
+    EXPECT_EQ(p.total_bytes, l.total_bytes) << c.name();
+  }
+}
+
+TEST(Planner, HandCountedConfig) {
+  // bn 128, bt 64, bk 128, 4 stages: codes 128*128/2 = 8192, scales 128*8 = 1024, act 64*128*2 = 16384.
+  const Sm80SmemPlan p = plan_sm80_smem(TileConfig{128, 64, 128, 4, 8});
+  EXPECT_EQ(p.stage_bytes, 25600u);
+  EXPECT_EQ(p.sched_bytes, 2176u);  // (512 + 2) * 4 = 2056 -> 2176 (120 B of padding)
+  EXPECT_EQ(p.total_bytes, 4u * 25600 + 2176);
+  EXPECT_EQ(p.padding_bytes, 120u);
+}
+
+TEST(Planner, OverflowOnSm120NamesTheBytes) {
+  const Sm80Plan p = plan_sm80(TileConfig{128, 64, 128, 4, 8}, arch_from_name("sm_120"));
+  EXPECT_FALSE(p.verdict.valid);
+  EXPECT_NE(p.verdict.reason.find("shared memory: needs 104,576 B per block, sm_120 allows 101,376 B (over by "
+                                  "3,200 B)"),
+            std::string::npos)
+      << p.verdict.reason;
+  EXPECT_EQ(p.max_stages_that_fit, 3);  // (101376 - 2176) / 25600
+  // The same config fits Hopper.
+  EXPECT_TRUE(plan_sm80(TileConfig{128, 64, 128, 4, 8}, arch_from_name("sm_90")).verdict.valid);
+}
+
+TEST(Planner, EveryConfigValidOnHopperAndOnlyCompiledOnesAccepted) {
+  EXPECT_EQ(valid_sm80_configs(arch_from_name("sm_90")).size(), static_cast<size_t>(kNumGemmConfigs));
+  const Sm80Plan p = plan_sm80(TileConfig{128, 48, 128, 3, 8}, arch_from_name("sm_90"));
+  EXPECT_FALSE(p.verdict.valid);
+  EXPECT_NE(p.verdict.reason.find("not in kGemmConfigs"), std::string::npos) << p.verdict.reason;
+  const Sm80Plan bad = plan_sm80(TileConfig{96, 64, 128, 4, 8}, arch_from_name("sm_90"));
+  EXPECT_FALSE(bad.verdict.valid);
+  EXPECT_NE(bad.verdict.reason.find("malformed"), std::string::npos) << bad.verdict.reason;
+}
+
+TEST(Planner, RegisterEstimateAndOccupancy) {
+  // wm = 1, bt = 16: acc 8 + B 4 + A 4 + raw 6 + 40 = 62 -> 64; __launch_bounds__(256, 2) caps at 128.
+  const RegisterEstimate r = estimate_registers_sm80(TileConfig{128, 16, 128, 6, 8});
+  EXPECT_EQ(r.estimate, 64);
+  EXPECT_EQ(r.launch_bounds_cap, 128);
+  EXPECT_EQ(r.expected, 64);
+  // wm = 2, bt = 128: acc 2*16*4 = 128 + B 32 + A 4 + raw 12 + 40 = 216; min blocks 1 -> cap 255.
+  const RegisterEstimate big = estimate_registers_sm80(TileConfig{256, 128, 64, 3, 8});
+  EXPECT_EQ(big.min_blocks, 1);
+  EXPECT_EQ(big.launch_bounds_cap, 255);
+  EXPECT_EQ(big.expected, 216);
+  // wm = 1, bt = 128 with min blocks 2: 64 + 32 + 4 + 6 + 40 = 146 -> 152 > cap 128: expected 128 (spills).
+  const RegisterEstimate capped = estimate_registers_sm80(TileConfig{128, 128, 64, 4, 8});
+  EXPECT_EQ(capped.estimate, 152);
+  EXPECT_EQ(capped.expected, 128);
+  // Occupancy on sm_90 for 256 threads, 64 regs, 82,048 B: smem 233472 / 83072 = 2; regs 65536/(8*2048) = 4.
+  const Occupancy o = occupancy(arch_from_name("sm_90"), 256, 64, 82048);
+  EXPECT_EQ(o.by_smem, 2);
+  EXPECT_EQ(o.by_registers, 4);
+  EXPECT_EQ(o.by_threads, 8);
+  EXPECT_EQ(o.ctas_per_sm, 2);
+  EXPECT_EQ(o.limiter, "shared memory");
+}
+
+TEST(Planner, TilesAndWavesHandExample) {
+  GemmProblem p;
+  p.rows = {0, 1, 17, 40};  // tiles of 16 rows: 0, 1, 2, 3
+  p.n = 256;                // 2 feature tiles of 128
+  p.k = 1024;
+  const WorkEstimate w = work_estimate(p, 128, 16, 4, 2);
+  EXPECT_EQ(w.tiles, 12);
+  EXPECT_EQ(w.slots, 8);
+  EXPECT_DOUBLE_EQ(w.waves, 1.5);
+  EXPECT_EQ(w.full_waves, 2);
+  EXPECT_DOUBLE_EQ(w.last_wave_fill, 0.5);
+  // GLM-5 GEMM1 at T = 1024: 32 rows per expert, N = 4096: 256 * 2 * 32 = 16384 tiles.
+  const WorkEstimate g = work_estimate(GemmProblem::uniform(256, 32, 4096, 6144), 128, 16, 132, 2);
+  EXPECT_EQ(g.tiles, 16384);
+  EXPECT_NEAR(g.waves, 16384.0 / 264.0, 1e-12);
+}
+
+TEST(Planner, OddKIsRejectedWithTheRule) {
+  const TileConfig k128{128, 32, 128, 5, 8};
+  const Verdict v = check_problem_sm80(k128, 5760, 2880, 128);  // gpt-oss: K = 2880 = 22.5 * 128
+  EXPECT_FALSE(v.valid);
+  EXPECT_NE(v.reason.find("K = 2880 must be a multiple of the tile's bk = 128"), std::string::npos) << v.reason;
+  EXPECT_NE(v.reason.find("K % bk = 64"), std::string::npos) << v.reason;
+  EXPECT_TRUE(check_problem_sm80(TileConfig{128, 32, 64, 8, 8}, 5760, 2880, 128).valid);
+  const Verdict odd = check_problem_sm80(k128, 4096, 100, 8);
+  EXPECT_FALSE(odd.valid);
+  EXPECT_NE(odd.reason.find("multiple of 64"), std::string::npos) << odd.reason;
+  const Verdict n = check_problem_sm80(k128, 4100, 4096, 8);
+  EXPECT_NE(n.reason.find("N = 4100"), std::string::npos) << n.reason;
+  EXPECT_FALSE(check_problem_sm80(k128, 4096, 4096, kMaxExperts + 1).valid);
+}
+
+// CUTLASS sm_120 block-scaled NVFP4 grouped GEMM: the 4.2-era stage count and the real footprint.
+TEST(CutlassSm120, FourTiles) {
+  struct Want {
+    CutlassTile t;
+    size_t per_stage;
+    int auto_stages;
+    size_t footprint;
+    int64_t over_by;
+    int max_fit;
+  };
+  const Want want[] = {
+      {{128, 128, 128}, 8192 + 8192 + 1024 + 1024 + 16, 4, 93184, 93184 - 101376, 4},
+      {{128, 128, 256}, 16384 + 16384 + 2048 + 2048 + 16, 2, 93184, 93184 - 101376, 2},
+      {{128, 256, 128}, 8192 + 16384 + 1024 + 2048 + 16, 3, 102400, 1024, 2},
+      {{256, 128, 128}, 16384 + 8192 + 2048 + 1024 + 16, 3, 102400, 1024, 2},
+  };
+  for (const Want& w : want) {
+    const CutlassSm120Plan p = plan_cutlass_sm120(w.t);
+    const std::string tile = std::to_string(w.t.m) + "x" + std::to_string(w.t.n) + "x" + std::to_string(w.t.k);
+    EXPECT_EQ(p.per_stage, w.per_stage) << tile;
+    EXPECT_EQ(p.auto_stages, w.auto_stages) << tile;
+    EXPECT_EQ(p.footprint, w.footprint) << tile;
+    EXPECT_EQ(p.over_by, w.over_by) << tile;
+    EXPECT_EQ(p.max_stages_that_fit, w.max_fit) << tile;
+    EXPECT_EQ(p.verdict.valid, w.over_by <= 0) << tile << ": " << p.verdict.reason;
+    EXPECT_EQ(p.footprint % 1024, 0u) << tile;
+  }
+  // The story: 128x256 picks 3 stages of 27,664 B (~27.7 KB) because 3 * 27,664 + carveout fits, but
+  // the 1024-byte alignment, tensor maps and scheduler pipeline push the kernel 1 KB over.
+  const CutlassSm120Plan p = plan_cutlass_sm120({128, 256, 128});
+  EXPECT_EQ(p.per_stage, 27664u);
+  EXPECT_LE(p.per_stage * 3 + p.epilogue.carveout_bytes, 101376u);
+  EXPECT_EQ(p.ignored_by_auto, 102400u - (3 * 27664 + p.epilogue.carveout_bytes));
+  EXPECT_NE(p.verdict.reason.find("needs 102,400 B per block, sm_120 allows 101,376 B (over by 1,024 B)"),
+            std::string::npos)
+      << p.verdict.reason;
+  EXPECT_NE(p.verdict.reason.find("StageCount<2>"), std::string::npos) << p.verdict.reason;
+  // With StageCount<2> it fits.
+  EXPECT_TRUE(plan_cutlass_sm120({128, 256, 128}, 2).verdict.valid);
+}
+
+TEST(CutlassSm120, EpilogueOverride) {
+  CutlassEpilogueModel none;
+  none.tensor_bytes = none.carveout_bytes = 0;
+  none.tensormaps = 0;
+  none.description = "no smem epilogue";
+  // Without an epilogue 128x256 gets floor(101376 / 27664) = 3 stages and fits.
+  const CutlassSm120Plan p = plan_cutlass_sm120({128, 256, 128}, 0, none);
+  EXPECT_EQ(p.auto_stages, 3);
+  EXPECT_TRUE(p.verdict.valid) << p.verdict.reason;
+  const CutlassSm120Plan bad = plan_cutlass_sm120({100, 128, 128});
+  EXPECT_FALSE(bad.verdict.valid);
+}
+
+// ---- tuner cache ----
+
+class TuneCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("fp4moe_tune_test_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+    key_.gpu = "Test GPU";
+    key_.cc = "9.0";
+    key_.cuda_runtime = 13000;
+    key_.cuda_driver = 13000;
+    problem_.experts = 256;
+    problem_.top_k = 8;
+    problem_.n = 4096;
+    problem_.k = 6144;
+    problem_.epilogue = GemmEpilogue::kSwiGLU;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string write(const std::string& name, const std::string& text) {
+    const auto p = dir_ / name;
+    std::ofstream(p) << text;
+    return p.string();
+  }
+  nlohmann::json valid_doc(const TuneKey& key) {
+    nlohmann::json doc;
+    doc["format"] = "fp4moe-tune/1";
+    doc["key"] = key.to_json();
+    nlohmann::json entry;
+    entry["problem_key"] = problem_.key();
+    entry["buckets"] = nlohmann::json::array();
+    const TileConfig picks[] = {kGemmConfigs[0], kGemmConfigs[1], kGemmConfigs[2]};
+    const int64_t tokens[] = {1, 32, 512};
+    for (int i = 0; i < 3; ++i)
+      entry["buckets"].push_back({{"tokens", tokens[i]}, {"best", tile_config_to_json(picks[i])}});
+    doc["entries"] = nlohmann::json::array({entry});
+    return doc;
+  }
+  std::filesystem::path dir_;
+  TuneKey key_;
+  TuneProblem problem_;
+};
+
+TEST_F(TuneCache, ValidCacheGivesTunedConfigPerBucket) {
+  const std::string path = write("t.json", valid_doc(key_).dump());
+  TuneLookup l = lookup_tuned_config(problem_, 100, key_, path);
+  ASSERT_TRUE(l.config.has_value()) << l.reason;
+  EXPECT_EQ(*l.config, kGemmConfigs[1]);  // largest bucket <= 100 is 32
+  EXPECT_EQ(l.bucket, 32);
+  EXPECT_NE(l.source.find("tuned cache"), std::string::npos);
+  EXPECT_EQ(*lookup_tuned_config(problem_, 4096, key_, path).config, kGemmConfigs[2]);
+  EXPECT_EQ(*lookup_tuned_config(problem_, 1, key_, path).config, kGemmConfigs[0]);
+  // Another problem is not in the table.
+  TuneProblem other = problem_;
+  other.k = 2048;
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(lookup_tuned_config(other, 32, key_, path).config.has_value());
+  testing::internal::GetCapturedStderr();
+  // A directory of tables: the matching one is found.
+  write("other.json", "{\"format\": \"fp4moe-tune/1\", \"key\": {}, \"entries\": []}");
+  EXPECT_EQ(*lookup_tuned_config(problem_, 40, key_, dir_.string()).config, kGemmConfigs[1]);
+}
+
+TEST_F(TuneCache, CorruptJsonWarnsOnceAndFallsBack) {
+  const std::string path = write("bad.json", "{\"format\": \"fp4moe-tune/1\", \"key\": [1, 2");
+  testing::internal::CaptureStderr();
+  const TuneLookup a = lookup_tuned_config(problem_, 32, key_, path);
+  const TuneLookup b = lookup_tuned_config(problem_, 64, key_, path);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(a.config.has_value());
+  EXPECT_FALSE(b.config.has_value());
+  EXPECT_EQ(a.source, "heuristic");
+  EXPECT_NE(a.reason.find("corrupt"), std::string::npos) << a.reason;
+  EXPECT_NE(err.find("warning"), std::string::npos) << err;
+  EXPECT_EQ(err.find("warning"), err.rfind("warning")) << "warned more than once:\n" << err;
+  // Valid JSON of the wrong shape is corrupt too, not a crash.
+  const std::string shape = write("shape.json", "{\"format\": \"fp4moe-tune/1\", \"key\": " + key_.to_json().dump() +
+                                                    ", \"entries\": [{\"problem_key\": 5}]}");
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(lookup_tuned_config(problem_, 32, key_, shape).config.has_value());
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("corrupt"), std::string::npos);
+}
+
+TEST_F(TuneCache, StaleKeyFallsBack) {
+  TuneKey old = key_;
+  old.cuda_driver = 12080;
+  const std::string path = write("stale.json", valid_doc(old).dump());
+  testing::internal::CaptureStderr();
+  const TuneLookup l = lookup_tuned_config(problem_, 32, key_, path);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(l.config.has_value());
+  EXPECT_NE(l.reason.find("stale"), std::string::npos) << l.reason;
+  EXPECT_NE(l.reason.find("cuda_driver 12080"), std::string::npos) << l.reason;
+  EXPECT_NE(err.find("stale"), std::string::npos) << err;
+}
+
+TEST_F(TuneCache, MissingCacheFallsBack) {
+  testing::internal::CaptureStderr();
+  const TuneLookup l = lookup_tuned_config(problem_, 32, key_, (dir_ / "nope.json").string());
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(l.config.has_value());
+  EXPECT_NE(l.reason.find("does not exist"), std::string::npos) << l.reason;
+  EXPECT_NE(err.find("does not exist"), std::string::npos);
+  // A table naming a config that is not compiled is not used.
+  nlohmann::json doc = valid_doc(key_);
+  doc["entries"][0]["buckets"][1]["best"] = tile_config_to_json(TileConfig{128, 48, 128, 3, 8});
+  const std::string path = write("uncompiled.json", doc.dump());
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(lookup_tuned_config(problem_, 32, key_, path).config.has_value());
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("not in kGemmConfigs"), std::string::npos);
+}
+
+TEST_F(TuneCache, MergeReplacesSameProblem) {
+  nlohmann::json a = valid_doc(key_);
+  nlohmann::json b = valid_doc(key_);
+  b["entries"][0]["buckets"] = nlohmann::json::array({{{"tokens", 8}, {"best", tile_config_to_json(kGemmConfigs[3])}}});
+  const nlohmann::json m = merge_tune_cache(a, b);
+  ASSERT_EQ(m["entries"].size(), 1u);
+  EXPECT_EQ(m["entries"][0]["buckets"].size(), 1u);
+  TuneKey other = key_;
+  other.gpu = "Other";
+  EXPECT_EQ(merge_tune_cache(valid_doc(other), b), b);
+}
+
+}  // namespace
+}  // namespace fp4moe
