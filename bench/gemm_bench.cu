@@ -51,6 +51,12 @@ __global__ void swiglu_rows_kernel(const __nv_bfloat16* y, __nv_bfloat16* act, i
   }
 }
 
+__global__ void scale_rows_kernel(__nv_bfloat16* y, const float* row_scale, int64_t rows, int64_t cols) {
+  const int64_t total = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x)
+    y[i] = __float2bfloat16_rn(__bfloat162float(y[i]) * row_scale[i / cols]);
+}
+
 std::vector<int32_t> offsets_of(const std::vector<int32_t>& counts) {
   std::vector<int32_t> off(counts.size() + 1, 0);
   std::partial_sum(counts.begin(), counts.end(), off.begin() + 1);
@@ -58,6 +64,62 @@ std::vector<int32_t> offsets_of(const std::vector<int32_t>& counts) {
 }
 
 }  // namespace
+
+Bf16Experts::~Bf16Experts() {
+  cudaFree(w1);
+  cudaFree(w2);
+}
+
+std::unique_ptr<Bf16Experts> make_bf16_experts(int experts, int64_t hidden, int64_t inter, uint64_t seed,
+                                               cudaStream_t s) {
+  auto w = std::make_unique<Bf16Experts>();
+  w->experts = experts;
+  w->hidden = hidden;
+  w->inter = inter;
+  const size_t n1 = size_t(experts) * 2 * inter * hidden, n2 = size_t(experts) * hidden * inter;
+  FP4MOE_CUDA_CHECK(cudaMalloc(&w->w1, n1 * 2));
+  FP4MOE_CUDA_CHECK(cudaMalloc(&w->w2, n2 * 2));
+  fill_random_bf16(w->w1, n1, 0.02f, seed, s);
+  fill_random_bf16(w->w2, n2, 0.02f, seed + 1, s);
+  return w;
+}
+
+void record_bf16_expert_gemms(cublasHandle_t h, const Bf16Experts& w, const std::vector<int32_t>& off,
+                              const void* x, void* y1, void* act, void* y2, const float* row_scale, cudaStream_t s) {
+  const float one = 1.f, zero = 0.f;
+  const int64_t H = w.hidden, I = w.inter;
+  const auto* xb = static_cast<const __nv_bfloat16*>(x);
+  auto* y1b = static_cast<__nv_bfloat16*>(y1);
+  auto* ab = static_cast<__nv_bfloat16*>(act);
+  auto* y2b = static_cast<__nv_bfloat16*>(y2);
+  const auto* w1 = static_cast<const __nv_bfloat16*>(w.w1);
+  const auto* w2 = static_cast<const __nv_bfloat16*>(w.w2);
+  FP4MOE_CUBLAS_CHECK(cublasSetStream(h, s));
+  for (int e = 0; e < w.experts; ++e) {
+    const int m = off[e + 1] - off[e];
+    if (m == 0) continue;
+    // row-major Y[m, 2I] = X[m, H] W1_e^T, i.e. column-major Y^T = op_T(W1_e) X^T
+    FP4MOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, m, H, &one, w1 + size_t(e) * 2 * I * H,
+                                     CUDA_R_16BF, H, xb + size_t(off[e]) * H, CUDA_R_16BF, H, &zero,
+                                     y1b + size_t(off[e]) * 2 * I, CUDA_R_16BF, 2 * I, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+  }
+  const int64_t rows = off[w.experts];
+  if (rows == 0) return;
+  swiglu_rows_kernel<<<1024, 256, 0, s>>>(y1b, ab, rows, I);
+  FP4MOE_CUDA_CHECK_LAUNCH();
+  for (int e = 0; e < w.experts; ++e) {
+    const int m = off[e + 1] - off[e];
+    if (m == 0) continue;
+    FP4MOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, H, m, I, &one, w2 + size_t(e) * H * I, CUDA_R_16BF,
+                                     I, ab + size_t(off[e]) * I, CUDA_R_16BF, I, &zero, y2b + size_t(off[e]) * H,
+                                     CUDA_R_16BF, H, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  if (row_scale != nullptr) {
+    scale_rows_kernel<<<1024, 256, 0, s>>>(y2b, row_scale, rows, H);
+    FP4MOE_CUDA_CHECK_LAUNCH();
+  }
+}
 
 double time_grouped_gemm_us(int experts, int64_t n, int64_t k, const std::vector<int32_t>& counts, bool swiglu,
                             const TileConfig& cfg, cudaStream_t stream, int reps) {
@@ -99,14 +161,12 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
   DeviceBuffer<int32_t> d_off(E + 1);
 
   // bf16 baseline weights: the same shapes, bf16, [gate; up] rows for GEMM1
-  DeviceBuffer<__nv_bfloat16> b1, b2, y1;
+  std::unique_ptr<Bf16Experts> bw;
+  DeviceBuffer<__nv_bfloat16> y1;
   cublasHandle_t h = nullptr;
   if (opt.baseline) {
-    b1 = DeviceBuffer<__nv_bfloat16>(size_t(E) * 2 * I * H);
-    b2 = DeviceBuffer<__nv_bfloat16>(size_t(E) * H * I);
+    bw = make_bf16_experts(E, H, I, opt.seed + 21, stream);
     y1 = DeviceBuffer<__nv_bfloat16>(max_rows * 2 * I);
-    fill_random_bf16(b1.get(), b1.size(), 0.02f, opt.seed + 21, stream);
-    fill_random_bf16(b2.get(), b2.size(), 0.02f, opt.seed + 22, stream);
     FP4MOE_CUBLAS_CHECK(cublasCreate(&h));
     FP4MOE_CUBLAS_CHECK(cublasSetStream(h, stream));
   }
@@ -140,28 +200,8 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
     r.fp4_us = time_graph_us(fp4, stream, opt.reps);
 
     if (opt.baseline) {
-      const float one = 1.f, zero = 0.f;
       auto bf16 = [&](cudaStream_t s) {
-        for (int e = 0; e < E; ++e) {
-          const int m = counts[e];
-          if (m == 0) continue;
-          // row-major Y[m, 2I] = X[m, H] W1_e^T: column-major Y^T = W1_e(op T) X^T
-          FP4MOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I, m, H, &one,
-                                           b1.get() + size_t(e) * 2 * I * H, CUDA_R_16BF, H,
-                                           x1.get() + size_t(off[e]) * H, CUDA_R_16BF, H, &zero,
-                                           y1.get() + size_t(off[e]) * 2 * I, CUDA_R_16BF, 2 * I, CUBLAS_COMPUTE_32F,
-                                           CUBLAS_GEMM_DEFAULT));
-        }
-        swiglu_rows_kernel<<<1024, 256, 0, s>>>(y1.get(), act.get(), T * cfg.top_k, I);
-        FP4MOE_CUDA_CHECK_LAUNCH();
-        for (int e = 0; e < E; ++e) {
-          const int m = counts[e];
-          if (m == 0) continue;
-          FP4MOE_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, H, m, I, &one, b2.get() + size_t(e) * H * I,
-                                           CUDA_R_16BF, I, act.get() + size_t(off[e]) * I, CUDA_R_16BF, I, &zero,
-                                           y2.get() + size_t(off[e]) * H, CUDA_R_16BF, H, CUBLAS_COMPUTE_32F,
-                                           CUBLAS_GEMM_DEFAULT));
-        }
+        record_bf16_expert_gemms(h, *bw, off, x1.get(), y1.get(), act.get(), y2.get(), row_scale.get(), s);
       };
       bf16(stream);
       FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -5,6 +5,9 @@
 #include <optional>
 #include <vector>
 
+#include <memory>
+
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include "bench_common.hpp"
@@ -32,6 +35,22 @@ struct GemmBenchOptions {
 };
 
 std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOptions& opt, cudaStream_t stream);
+
+// The bf16 baseline a user would otherwise run: per-expert cuBLAS GEMMs (bf16 in/out, fp32 accumulate)
+// for gate+up, SwiGLU, per-expert down GEMMs, optional per-row scale (the routing weight).
+struct Bf16Experts {
+  int experts = 0;
+  int64_t hidden = 0, inter = 0;
+  void* w1 = nullptr;  // bf16 [E, 2I, H] ([gate; up] rows)
+  void* w2 = nullptr;  // bf16 [E, H, I]
+  ~Bf16Experts();
+};
+std::unique_ptr<Bf16Experts> make_bf16_experts(int experts, int64_t hidden, int64_t inter, uint64_t seed,
+                                               cudaStream_t s);
+// offsets: host copy of the expert offsets (the baseline needs the sizes on the host, as a user's
+// per-expert loop would). x [rows, H] -> y1 [rows, 2I] -> act [rows, I] -> y2 [rows, H].
+void record_bf16_expert_gemms(cublasHandle_t h, const Bf16Experts& w, const std::vector<int32_t>& offsets,
+                              const void* x, void* y1, void* act, void* y2, const float* row_scale, cudaStream_t s);
 
 // Time one grouped GEMM with a given config on random data (the tuner's measurement).
 double time_grouped_gemm_us(int experts, int64_t n, int64_t k, const std::vector<int32_t>& counts, bool swiglu,

@@ -17,10 +17,10 @@ cat "$OUT/gpu.txt"
 for s in "${steps[@]}"; do
   case "$s" in
     tests)
-      "$B/fp4moe_gpu_tests" --gtest_brief=1 ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$OUT/gpu_tests.log" 2>&1
+      timeout ${TEST_TIMEOUT:-300} "$B/fp4moe_gpu_tests" --gtest_brief=1 ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$OUT/gpu_tests.log" 2>&1
       echo "gpu tests rc=$?"; grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|error" "$OUT/gpu_tests.log" | head -60 ;;
     bench)
-      "$B/fp4moe" bench --model "${FP4MOE_MODEL:-glm-5}" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" ;;
+      timeout ${BENCH_TIMEOUT:-400} "$B/fp4moe" bench --model "${FP4MOE_MODEL:-glm-5}" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" ;;
     tune)
       "$B/fp4moe" tune --model "${FP4MOE_MODEL:-glm-5}" --out "$OUT/tune.json" 2>&1 | tail -30 ;;
     *) echo "unknown step $s" ;;
