@@ -91,7 +91,7 @@ RegisterEstimate estimate_registers_sm80(const TileConfig& c) {
   const int sum = r.accumulators + r.b_fragments + r.a_fragments + r.raw_weights + r.addressing;
   r.estimate = std::min(255, (sum + 7) / 8 * 8);
   // The kernel's __launch_bounds__(threads, (wm == 2 && bt >= 128) ? 1 : 2).
-  r.min_blocks = (wm == 2 && c.bt >= 128) ? 1 : 2;
+  r.min_blocks = gemm_min_ctas_per_sm(c);
   r.launch_bounds_cap = std::min(255, 65536 / (r.min_blocks * c.threads()) / 8 * 8);
   r.expected = std::min(r.estimate, r.launch_bounds_cap);
   r.formula = fmt::format(

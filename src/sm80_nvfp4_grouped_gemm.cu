@@ -143,6 +143,13 @@ cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpi
   return attr;
 }
 
+int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue) {
+  const detail::GemmKernelFn fn = kernel_for(config_index(cfg), epilogue);
+  int device = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  return launch_info(device, fn, cfg).ctas_per_sm;
+}
+
 TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, int num_sms) {
   const bool k128 = k % 128 == 0;
   if (!k128) return rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};
@@ -154,7 +161,7 @@ TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, i
   if (r <= 16) return TileConfig{128, 16, 128, 6, 8};
   if (r <= 32) return TileConfig{128, 32, 128, 5, 8};
   if (r <= 64) return TileConfig{128, 64, 128, 4, 8};
-  return TileConfig{256, 128, 64, 3, 8};
+  return TileConfig{128, 128, 64, 4, 8};
 }
 
 }  // namespace fp4moe

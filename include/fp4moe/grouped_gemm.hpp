@@ -55,6 +55,10 @@ void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args
 // cudaFuncGetAttributes; needs a GPU. Throws if cfg is not in kGemmConfigs.
 cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpilogue epilogue);
 
+// CTAs per SM of the compiled kernel with its launch shared memory (CUDA occupancy calculator); needs a
+// GPU. Throws a ResourceError when the config cannot be resident.
+int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue);
+
 // The configuration the heuristic picks for a problem (rows_per_expert = expected rows of an active
 // expert, e.g. T * top_k / E).
 TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, int num_sms);

@@ -52,6 +52,11 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
   return l;
 }
 
+// The kernel's __launch_bounds__ minimum CTAs per SM: two while the accumulators are small (decode: one
+// CTA's pipeline bubble at a tile boundary is covered by the other's loads), else one CTA with up to
+// 255 registers (prefill tiles). The planner uses the same function for its register cap.
+constexpr int gemm_min_ctas_per_sm(const TileConfig& c) { return c.wm() * (c.bt / 8) * 4 > 48 ? 1 : 2; }
+
 // Static validity (what types decide). Runtime validity against a GPU (smem, registers) is the
 // planner's job (planner.hpp).
 constexpr bool tile_config_well_formed(const TileConfig& c) {

@@ -84,10 +84,14 @@ TEST(PlannerGpu, EveryConfigFitsAndLaunchesWithPlannerBytes) {
       }
       EXPECT_LE(need, arch.smem_optin_per_block) << c.name();
       EXPECT_LE(static_cast<size_t>(attr.maxDynamicSharedSizeBytes) + attr.sharedSizeBytes, arch.smem_optin_per_block);
-      const int tol = std::max(24, plan.regs.expected * 3 / 10);
-      EXPECT_LE(std::abs(attr.numRegs - plan.regs.expected), tol)
-          << c.name() << ": measured " << attr.numRegs << " registers, planner expected " << plan.regs.expected
-          << " (" << plan.regs.formula << ")";
+      // Registers: the static estimate is only a planning aid (printed above). What must hold is that the
+      // compiled kernel respects the launch-bounds cap the planner assumes, and that the planner's
+      // occupancy arithmetic, fed the measured registers, agrees with the CUDA occupancy calculator.
+      EXPECT_LE(attr.numRegs, plan.regs.launch_bounds_cap) << c.name();
+      EXPECT_EQ(attr.localSizeBytes, 0u) << c.name() << ": the kernel spills to local memory";
+      const Occupancy occ = occupancy(arch, c.threads(), attr.numRegs, plan.smem.total_bytes, attr.sharedSizeBytes);
+      EXPECT_EQ(occ.ctas_per_sm, grouped_gemm_max_active_ctas(c, epi))
+          << c.name() << ": planner occupancy (limited by " << occ.limiter << ") differs from the CUDA calculator";
       // The library launches with gemm_smem_layout's bytes; the planner's equal them (CPU test), and
       // after the launch the kernel's max dynamic smem attribute is exactly the planner's count.
       GroupedWeightsView w;

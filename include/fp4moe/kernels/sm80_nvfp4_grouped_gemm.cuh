@@ -97,9 +97,7 @@ __device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, co
 }
 
 template <int BN, int BT, int BK, int STAGES, int WARPS, int EPI>
-// Two CTAs per SM while the accumulators are small (decode: one CTA's pipeline bubble at a tile
-// boundary is covered by the other's loads); one CTA with up to 255 registers for prefill tiles.
-__global__ void __launch_bounds__(WARPS * 32, (BN / (16 * WARPS)) * (BT / 8) * 4 > 48 ? 1 : 2)
+__global__ void __launch_bounds__(WARPS * 32, gemm_min_ctas_per_sm(TileConfig{BN, BT, BK, STAGES, WARPS}))
 sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS};
   static_assert(tile_config_well_formed(kCfg), "tile config is malformed: see tile_config_well_formed()");
@@ -170,61 +168,84 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   const int64_t codes_expert_stride = static_cast<int64_t>(p.n) * K / 2;
   const int64_t scales_expert_stride = static_cast<int64_t>(p.n) * K / 16;
 
-  // ---- producer: issue the cp.asyncs of iteration `it` into stage it % STAGES ----
-  WorkTile load_tile{};
-  int load_tile_idx = -1;
-  auto issue_load = [&](int it) {
-    const int ti = it / KT;
-    const int kt = it - ti * KT;
-    if (ti != load_tile_idx) {
-      load_tile_idx = ti;
-      load_tile = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix,
-                                  p.offsets, E, p.max_rows);
-    }
-    uint8_t* stage = smem + (it % STAGES) * kL.stage_bytes;
-    const uint32_t s_codes = smem_u32(stage);
-    const uint32_t s_scales = smem_u32(stage + kL.codes_bytes);
-    const uint32_t s_act = smem_u32(stage + kL.codes_bytes + kL.scales_bytes);
-    const int mt0 = load_tile.ftile * MT;
-    const uint8_t* g_codes = p.codes + load_tile.expert * codes_expert_stride;
-    const uint8_t* g_scales = p.scales + load_tile.expert * scales_expert_stride;
+  // ---- producer state. Which 16-byte pieces a thread copies is fixed by its index, so the shared
+  // offsets and the global offsets within a tile are computed once; per k-step only a constant stride
+  // is added (the address arithmetic would otherwise cost as much issue bandwidth as the dequant). ----
+  constexpr int kCodeIters = (kCodePieces + kThreads - 1) / kThreads;
+  constexpr int kScaleIters = (kScalePieces + kThreads - 1) / kThreads;
+  constexpr int kActIters = (kActPieces + kThreads - 1) / kThreads;
+  int code_mt[kCodeIters], code_gofs[kCodeIters];
 #pragma unroll
-    for (int i = 0; i < (kCodePieces + kThreads - 1) / kThreads; ++i) {
-      const int piece = tid + i * kThreads;
-      if (piece < kCodePieces) {
-        const int mt = piece / (KC * 32);
-        const int rest = piece - mt * (KC * 32);   // chunk * 32 + lane: contiguous in global memory
-        if (mt0 + mt < m_tiles_total)
-          cp_async16(s_codes + piece * 16,
-                     g_codes + ((static_cast<int64_t>(mt0 + mt) * (K / 64) + kt * KC) * 32 + rest) * 16);
-      }
-    }
+  for (int i = 0; i < kCodeIters; ++i) {
+    const int piece = tid + i * kThreads;
+    code_mt[i] = piece < kCodePieces ? piece / (KC * 32) : 1 << 30;
+    code_gofs[i] = (piece / (KC * 32)) * (K / 64) * 512 + (piece % (KC * 32)) * 16;
+  }
+  int scale_mt[kScaleIters], scale_gofs[kScaleIters];
 #pragma unroll
-    for (int i = 0; i < (kScalePieces + kThreads - 1) / kThreads; ++i) {
-      const int piece = tid + i * kThreads;
-      if (piece < kScalePieces) {
-        const int mt = piece / (KC * 4);
-        const int rest = piece - mt * (KC * 4);
-        if (mt0 + mt < m_tiles_total)
-          cp_async16(s_scales + piece * 16,
-                     g_scales + ((static_cast<int64_t>(mt0 + mt) * (K / 64) + kt * KC) * 4 + rest) * 16);
-      }
-    }
+  for (int i = 0; i < kScaleIters; ++i) {
+    const int piece = tid + i * kThreads;
+    scale_mt[i] = piece < kScalePieces ? piece / (KC * 4) : 1 << 30;
+    scale_gofs[i] = (piece / (KC * 4)) * (K / 64) * 64 + (piece % (KC * 4)) * 16;
+  }
+  int act_row[kActIters], act_gofs[kActIters];
+  uint32_t act_sofs[kActIters];
+#pragma unroll
+  for (int i = 0; i < kActIters; ++i) {
+    const int piece = tid + i * kThreads;
+    const int r = piece / (BK / 8), c = piece % (BK / 8);
+    act_row[i] = piece < kActPieces ? r : 1 << 30;
+    act_gofs[i] = r * K * 2 + c * 16;
     // activations: [KC slabs][BT rows][128 B], 16-byte chunk c of row r stored at c ^ (r & 7) so that
-    // ldmatrix's eight row addresses hit eight different bank groups. Rows past the tile's valid rows
-    // are not loaded: they only feed output columns that are never stored.
-    const __nv_bfloat16* g_act = p.act + static_cast<int64_t>(load_tile.row0) * K + kt * BK;
+    // ldmatrix's eight row addresses hit eight different bank groups
+    act_sofs[i] = ((c >> 3) * BT + r) * 128 + (((c & 7) ^ (r & 7)) << 4);
+  }
+  const uint32_t smem_base = smem_u32(smem);
+
+  // per-tile producer bases
+  const uint8_t* ld_codes = nullptr;
+  const uint8_t* ld_scales = nullptr;
+  const uint8_t* ld_act = nullptr;
+  uint32_t ld_code_ok = 0, ld_scale_ok = 0, ld_act_ok = 0;  // bit i: piece i of this thread is loaded
+  int ld_tile = 0, ld_kt = 0, ld_stage = 0;
+  auto begin_load_tile = [&](int ti) {
+    const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix,
+                                       p.offsets, E, p.max_rows);
+    const int mt0 = t.ftile * MT;
+    ld_codes = p.codes + t.expert * codes_expert_stride + static_cast<int64_t>(mt0) * (K / 64) * 512;
+    ld_scales = p.scales + t.expert * scales_expert_stride + static_cast<int64_t>(mt0) * (K / 64) * 64;
+    ld_act = reinterpret_cast<const uint8_t*>(p.act + static_cast<int64_t>(t.row0) * K);
+    ld_code_ok = ld_scale_ok = ld_act_ok = 0;
 #pragma unroll
-    for (int i = 0; i < (kActPieces + kThreads - 1) / kThreads; ++i) {
-      const int piece = tid + i * kThreads;
-      if (piece < kActPieces) {
-        const int r = piece / (BK / 8);
-        const int c = piece - r * (BK / 8);
-        if (r < load_tile.rows) {
-          const int slab = c >> 3, cc = c & 7;
-          cp_async16(s_act + (slab * BT + r) * 128 + ((cc ^ (r & 7)) << 4), g_act + static_cast<int64_t>(r) * K + c * 8);
-        }
-      }
+    for (int i = 0; i < kCodeIters; ++i) ld_code_ok |= (mt0 + code_mt[i] < m_tiles_total) ? 1u << i : 0u;
+#pragma unroll
+    for (int i = 0; i < kScaleIters; ++i) ld_scale_ok |= (mt0 + scale_mt[i] < m_tiles_total) ? 1u << i : 0u;
+    // rows past the tile's valid rows are not loaded: they only feed output columns never stored
+#pragma unroll
+    for (int i = 0; i < kActIters; ++i) ld_act_ok |= (act_row[i] < t.rows) ? 1u << i : 0u;
+  };
+  // issue the cp.asyncs of the next (tile, k-step) into the next stage, then advance
+  auto issue_load = [&]() {
+    const uint32_t stage = smem_base + ld_stage * static_cast<uint32_t>(kL.stage_bytes);
+    const uint32_t s_codes = stage;
+    const uint32_t s_scales = stage + static_cast<uint32_t>(kL.codes_bytes);
+    const uint32_t s_act = stage + static_cast<uint32_t>(kL.codes_bytes + kL.scales_bytes);
+    const uint8_t* gc = ld_codes + ld_kt * (KC * 512);
+    const uint8_t* gs = ld_scales + ld_kt * (KC * 64);
+    const uint8_t* ga = ld_act + ld_kt * (BK * 2);
+#pragma unroll
+    for (int i = 0; i < kCodeIters; ++i)
+      if (ld_code_ok & (1u << i)) cp_async16(s_codes + (tid + i * kThreads) * 16, gc + code_gofs[i]);
+#pragma unroll
+    for (int i = 0; i < kScaleIters; ++i)
+      if (ld_scale_ok & (1u << i)) cp_async16(s_scales + (tid + i * kThreads) * 16, gs + scale_gofs[i]);
+#pragma unroll
+    for (int i = 0; i < kActIters; ++i)
+      if (ld_act_ok & (1u << i)) cp_async16(s_act + act_sofs[i], ga + act_gofs[i]);
+    if (++ld_stage == STAGES) ld_stage = 0;
+    if (++ld_kt == KT) {
+      ld_kt = 0;
+      if (++ld_tile < my_tiles) begin_load_tile(ld_tile);
     }
   };
 
@@ -236,30 +257,25 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
+  begin_load_tile(0);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < total_iters) issue_load(s);
+    if (s < total_iters) issue_load();
     cp_async_commit();
   }
 
   WorkTile tile = decode_tile<BT>(static_cast<int>(blockIdx.x), s_prefix, p.offsets, E, p.max_rows);
-  int tile_idx = 0;
+  int tile_idx = 0, kt = 0, stage_idx = 0;
   const int g = lane >> 2, t4 = lane & 3;
 
   for (int it = 0; it < total_iters; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
-    if (it + STAGES - 1 < total_iters) issue_load(it + STAGES - 1);
+    if (it + STAGES - 1 < total_iters) issue_load();
     cp_async_commit();
 
-    const int ti = it / KT;
-    if (ti != tile_idx) {
-      tile_idx = ti;
-      tile = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p.offsets,
-                             E, p.max_rows);
-    }
     const int valid_nt = (tile.rows + 7) >> 3;
-    const uint8_t* stage = smem + (it % STAGES) * kL.stage_bytes;
+    const uint8_t* stage = smem + stage_idx * kL.stage_bytes;
     const uint8_t* st_codes = stage;
     const uint8_t* st_scales = stage + kL.codes_bytes;
     const uint32_t st_act = smem_u32(stage + kL.codes_bytes + kL.scales_bytes);
@@ -291,7 +307,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
           }
 #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
-            if (2 * np < valid_nt) {
+            if (np == 0 || 2 * np < valid_nt) {  // a valid tile has >= 1 row: pair 0 always runs
               const int mat = lane >> 3;
               const int row = (2 * np + (mat >> 1)) * 8 + (lane & 7);
               const int chunk = j * 2 + (mat & 1);
@@ -299,8 +315,10 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
               ldmatrix_x4(st_act + (c * BT + row) * 128 + ((chunk ^ (row & 7)) << 4), b0, b1, b2, b3);
 #pragma unroll
               for (int i = 0; i < WM; ++i) {
+                // both n-tiles of the pair: an odd last n-tile computes rows that are never stored, which
+                // is cheaper than the register moves a predicated mma costs
                 mma_bf16_16816(acc[i][2 * np], a[i], b0, b1);
-                if (2 * np + 1 < valid_nt) mma_bf16_16816(acc[i][2 * np + 1], a[i], b2, b3);
+                mma_bf16_16816(acc[i][2 * np + 1], a[i], b2, b3);
               }
             }
           }
@@ -308,8 +326,10 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
       }
     }
 
+    if (++stage_idx == STAGES) stage_idx = 0;
     // ---- epilogue at the last k-step of a tile: registers -> global, then reset ----
-    if ((it % KT) == KT - 1) {
+    if (++kt == KT) {
+      kt = 0;
       if (warp_active) {
         const int e = tile.expert;
         const float gs = __ldg(p.global_scale + e) * layout::kAccumulatorScale;
@@ -384,6 +404,9 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
+      if (++tile_idx < my_tiles)
+        tile = decode_tile<BT>(static_cast<int>(blockIdx.x) + tile_idx * static_cast<int>(gridDim.x), s_prefix,
+                               p.offsets, E, p.max_rows);
     }
   }
   cp_async_wait<0>();
