@@ -9,6 +9,7 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/device_buffer.hpp"
 #include "fp4moe/grouped_gemm.hpp"
+#include "fp4moe/tuner.hpp"
 
 namespace fp4moe::bench {
 namespace {
@@ -183,8 +184,10 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
     r.weight_bytes = r.active_experts * double(3 * H * I) * (0.5 + 1.0 / 16.0);
     r.flops = 2.0 * rows * double(3 * H * I);
     const double rpe = rows / std::max(1, r.active_experts);
-    r.cfg1 = opt.force1 ? *opt.force1 : heuristic_tile_config(2 * I, H, rpe, sms);
-    r.cfg2 = opt.force2 ? *opt.force2 : heuristic_tile_config(H, I, rpe, sms);
+    (void)rpe;
+    const TuneProblem p1{E, cfg.top_k, 2 * I, H, GemmEpilogue::kSwiGLU}, p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
+    r.cfg1 = opt.force1 ? *opt.force1 : *choose_config(p1, T, sms).config;
+    r.cfg2 = opt.force2 ? *opt.force2 : *choose_config(p2, T, sms).config;
 
     GroupedGemmArgs a1, a2;
     a1.act = x1.get(); a1.expert_offsets = d_off.get(); a1.max_rows = T * cfg.top_k; a1.out = act.get();

@@ -31,6 +31,10 @@ void run_layer_bench(const MoeConfig& cfg, const LayerBenchOptions& opt, const C
 
   std::fprintf(stderr, "building the synthetic %s layer on the GPU...\n", cfg.name.c_str());
   SyntheticDeviceLayer syn = make_synthetic_layer_device(cfg, opt.seed, s);
+  // Route uniformly at random, like the targets' baseline measurements (targets.md: random top-k):
+  // the synthetic correction bias would otherwise concentrate tokens on a few experts.
+  if (syn.weights.router_bias != nullptr)
+    FP4MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<float*>(syn.weights.router_bias), 0, E * sizeof(float), s));
   MoeLayer layer(cfg, syn.weights, max_t, s);
   // the baseline routes with the same bias; keep a copy before the synthetic buffers go
   DeviceBuffer<float> router_bias(syn.weights.router_bias ? E : 0);

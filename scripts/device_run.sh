@@ -22,7 +22,15 @@ for s in "${steps[@]}"; do
     bench)
       timeout ${BENCH_TIMEOUT:-400} "$B/fp4moe" bench --model "${FP4MOE_MODEL:-glm-5}" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" ;;
     tune)
-      "$B/fp4moe" tune --model "${FP4MOE_MODEL:-glm-5}" --out "$OUT/tune.json" 2>&1 | tail -30 ;;
+      timeout ${TUNE_TIMEOUT:-300} "$B/fp4moe" tune --model "${FP4MOE_MODEL:-glm-5}" --quiet \
+        --buckets "${TUNE_BUCKETS:-1,8,32,128,512,1024,4096,16384}" --out "$OUT/tune-${FP4MOE_MODEL:-glm-5}.json" 2>&1 | tail -40 ;;
+    ncu)
+      # one decode-sized GEMM pair under Nsight Compute (clocks left alone, as METHOD.md asks)
+      timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --kernel-name regex:sm80_nvfp4 --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section LaunchStats --section Occupancy \
+        "$B/fp4moe" bench --mode gemm --tokens "${NCU_TOKENS:-128}" --no-baseline --reps 1 > "$OUT/ncu.txt" 2>&1
+      echo "ncu rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issue Slots Busy|Issued Warp|No Eligible|Active Warps Per Scheduler|Eligible Warps|Stall|Achieved Occupancy|Registers Per|L2 Hit|smsp__pcsamp" "$OUT/ncu.txt" | head -60 ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -12,6 +12,7 @@
 #include "fp4moe/kernels/moe_permute.cuh"
 #include "fp4moe/kernels/routing_topk.cuh"
 #include "fp4moe/moe_layer.hpp"
+#include "fp4moe/tuner.hpp"
 
 namespace fp4moe {
 
@@ -192,6 +193,9 @@ struct MoeLayer::Impl {
   OwnedDeviceBuffer router_bias, router_weight, cublas_workspace;
   cublasHandle_t cublas = nullptr;
   MoeTileConfigs tiles;
+  // Automatic choices per token bucket [2^b, 2^(b+1)): tuner cache, else heuristic. Resolved once in
+  // the constructor so forward() never reads the cache file.
+  std::vector<MoeResolvedTileConfigs> auto_tiles;
   MoeWorkspaceLayout layout;
 
   ~Impl() {
@@ -229,6 +233,23 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
     FP4MOE_CUBLAS_CHECK(cublasCreate(&m.cublas));
     FP4MOE_CUBLAS_CHECK(cublasSetWorkspace(m.cublas, m.cublas_workspace.get(), kCublasWorkspaceBytes));
   }
+  {
+    const TuneProblem p1{E, cfg.top_k, 2 * I, H,
+                         cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU};
+    const TuneProblem p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
+    const TuneProblem s1{1, 1, 2 * Is, H, p1.epilogue};
+    const TuneProblem s2{1, 1, H, Is, GemmEpilogue::kPlain};
+    for (int64_t t = 1; t <= max_tokens; t *= 2) {
+      MoeResolvedTileConfigs r;
+      r.gemm1 = *choose_config(p1, t, m.num_sms).config;
+      r.gemm2 = *choose_config(p2, t, m.num_sms).config;
+      if (cfg.num_shared > 0) {
+        r.shared_gemm1 = *choose_config(s1, t, m.num_sms).config;
+        r.shared_gemm2 = *choose_config(s2, t, m.num_sms).config;
+      }
+      m.auto_tiles.push_back(r);
+    }
+  }
   // The copies read the caller's buffers asynchronously; finishing here lets the caller free them.
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
@@ -246,18 +267,13 @@ void MoeLayer::set_tile_configs(const MoeTileConfigs& tiles) { impl_->tiles = ti
 
 MoeResolvedTileConfigs MoeLayer::tile_configs(int64_t tokens) const {
   const Impl& m = *impl_;
-  const MoeConfig& c = m.cfg;
-  const double per_expert = static_cast<double>(tokens) * c.top_k / c.num_experts;
-  const int64_t Is = c.intermediate * c.num_shared;
-  MoeResolvedTileConfigs r;
-  r.gemm1 = m.tiles.gemm1 ? *m.tiles.gemm1 : heuristic_tile_config(c.gemm1_n(), c.gemm1_k(), per_expert, m.num_sms);
-  r.gemm2 = m.tiles.gemm2 ? *m.tiles.gemm2 : heuristic_tile_config(c.gemm2_n(), c.gemm2_k(), per_expert, m.num_sms);
-  if (c.num_shared > 0) {
-    r.shared_gemm1 = m.tiles.shared_gemm1 ? *m.tiles.shared_gemm1
-                                          : heuristic_tile_config(2 * Is, c.hidden, static_cast<double>(tokens), m.num_sms);
-    r.shared_gemm2 = m.tiles.shared_gemm2 ? *m.tiles.shared_gemm2
-                                          : heuristic_tile_config(c.hidden, Is, static_cast<double>(tokens), m.num_sms);
-  }
+  size_t b = 0;
+  while (b + 1 < m.auto_tiles.size() && (int64_t{1} << (b + 1)) <= tokens) ++b;
+  MoeResolvedTileConfigs r = m.auto_tiles.at(b);
+  if (m.tiles.gemm1) r.gemm1 = *m.tiles.gemm1;
+  if (m.tiles.gemm2) r.gemm2 = *m.tiles.gemm2;
+  if (m.tiles.shared_gemm1) r.shared_gemm1 = *m.tiles.shared_gemm1;
+  if (m.tiles.shared_gemm2) r.shared_gemm2 = *m.tiles.shared_gemm2;
   return r;
 }
 
