@@ -43,27 +43,21 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c) {
   const size_t codes = static_cast<size_t>(c.bn) * c.bk * 4 / 8;
   // One E4M3 scale (1 byte) per 16 K-elements of a row.
   const size_t scales = static_cast<size_t>(c.bn) * (c.bk / 16);
-  // Activations: bt rows x (bk bf16 + 16 bytes of padding that spreads ldmatrix rows over the banks).
-  const size_t act_row = static_cast<size_t>(c.bk) * 2 + 16;
-  const size_t act = static_cast<size_t>(c.bt) * act_row;
-  // Each part starts 128-byte aligned (bulk-copy destinations, ldmatrix rows).
+  // Activations: bt rows x bk bf16 (2 bytes).
+  const size_t act = static_cast<size_t>(c.bt) * c.bk * 2;
+  // Each part starts 128-byte aligned (cp.async 16-byte chunks, ldmatrix rows, bank-conflict-free swizzle).
   const size_t codes_pad = pad_to(codes, 128), scales_pad = pad_to(scales, 128), act_pad = pad_to(act, 128);
   p.codes_bytes = codes + codes_pad;
   p.scales_bytes = scales + scales_pad;
   p.act_bytes = act + act_pad;
   p.stage_bytes = p.codes_bytes + p.scales_bytes + p.act_bytes;
-  p.pipeline_bytes = p.stage_bytes * static_cast<size_t>(c.stages);
-  // mbarriers: a "full" and an "empty" barrier of 8 bytes per stage.
-  const size_t bars = static_cast<size_t>(c.stages) * 2 * 8;
-  const size_t bars_pad = pad_to(bars, 128);
-  p.barrier_bytes = bars + bars_pad;
-  p.sched_offset = p.pipeline_bytes + p.barrier_bytes;
+  p.sched_offset = p.stage_bytes * static_cast<size_t>(c.stages);
   // Scheduler: tile prefix of every expert slot 0..kMaxExperts plus the total, int32 each.
   const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4;
   const size_t sched_pad = pad_to(sched, 128);
   p.sched_bytes = sched + sched_pad;
   p.total_bytes = p.sched_offset + p.sched_bytes;
-  p.padding_bytes = (codes_pad + scales_pad + act_pad + 16 * static_cast<size_t>(c.bt)) * c.stages + bars_pad + sched_pad;
+  p.padding_bytes = (codes_pad + scales_pad + act_pad) * c.stages + sched_pad;
 
   auto line = [&](std::string what, std::string formula, size_t bytes) {
     p.lines.push_back({std::move(what), std::move(formula), bytes});
@@ -74,17 +68,15 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c) {
   line("scales per stage", fmt::format("bn * bk / 16 = {} * {} / 16 (E4M3 per 16){}", c.bn, c.bk,
                                        scales_pad ? fmt::format(" + {} pad", scales_pad) : ""),
        p.scales_bytes);
-  line("activations per stage", fmt::format("bt * (bk * 2 + 16) = {} * ({} * 2 + 16) (bf16 rows + bank pad){}", c.bt, c.bk,
+  line("activations per stage", fmt::format("bt * bk * 2 = {} * {} * 2 (bf16){}", c.bt, c.bk,
                                             act_pad ? fmt::format(" + {} pad", act_pad) : ""),
        p.act_bytes);
   line("stage", "codes + scales + activations", p.stage_bytes);
-  line("pipeline", fmt::format("stages * stage = {} * {}", c.stages, with_commas(p.stage_bytes)), p.pipeline_bytes);
-  line("mbarriers", fmt::format("stages * 2 * 8 = {} * 16{}", c.stages, bars_pad ? fmt::format(" + {} pad", bars_pad) : ""),
-       p.barrier_bytes);
+  line("pipeline", fmt::format("stages * stage = {} * {}", c.stages, with_commas(p.stage_bytes)), p.sched_offset);
   line("scheduler", fmt::format("(kMaxExperts + 2) * 4 = ({} + 2) * 4{}", kMaxExperts,
                                 sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
        p.sched_bytes);
-  line("total dynamic shared memory", "pipeline + mbarriers + scheduler", p.total_bytes);
+  line("total dynamic shared memory", "pipeline + scheduler", p.total_bytes);
   return p;
 }
 
@@ -143,12 +135,9 @@ Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_sm
   p.regs = estimate_registers_sm80(cfg);
   p.occ = occupancy(arch, cfg.threads(), p.regs.expected, p.smem.total_bytes, static_smem);
   const size_t limit = arch.smem_optin_per_block;
-  const size_t fixed = p.smem.sched_bytes + p.smem.barrier_bytes + static_smem;
+  const size_t fixed = p.smem.sched_bytes + static_smem;
   p.max_stages_that_fit = limit > fixed ? static_cast<int>((limit - fixed) / p.smem.stage_bytes) : 0;
 
-  if (arch.cc() < 90)
-    v.fail(fmt::format("instruction: the kernel needs cp.async.bulk with mbarrier transaction counts (sm_90+), "
-                       "{} does not have them", arch.name));
   if (!arch.has(kMmaSync))
     v.fail(fmt::format("instruction: the kernel needs mma.sync (sm_80+), {} has {}", arch.name,
                        arch.families_string()));

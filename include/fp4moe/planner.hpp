@@ -42,7 +42,6 @@ struct Verdict {
 // The shared memory of one config, recounted independently of gemm_smem_layout.
 struct Sm80SmemPlan {
   size_t codes_bytes = 0, scales_bytes = 0, act_bytes = 0, stage_bytes = 0;
-  size_t pipeline_bytes = 0, barrier_bytes = 0;
   size_t sched_offset = 0, sched_bytes = 0, total_bytes = 0;
   size_t padding_bytes = 0;  // 128-byte alignment padding included above
   std::vector<SmemLine> lines;

@@ -16,29 +16,23 @@ struct TileConfig {
   int bt = 64;      // tokens (rows) per CTA tile; multiple of 8
   int bk = 128;     // K per pipeline stage; multiple of 64
   int stages = 4;   // cp.async pipeline depth
-  int warps = 8;    // math warps; warp w owns m16 tiles [w*wm, (w+1)*wm) of the feature tile (plus one
-                    // producer warp that issues the bulk copies)
+  int warps = 8;    // math warps; warp w owns m16 tiles [w*wm, (w+1)*wm) of the feature tile
 
   constexpr int wm() const { return bn / (16 * warps); }
-  constexpr int threads() const { return (warps + 1) * 32; }  // math warps + one producer warp
+  constexpr int threads() const { return warps * 32; }
   constexpr bool operator==(const TileConfig&) const = default;
   std::string name() const;  // "bn128_bt64_bk128_s4_w8"
 };
 
 // Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:
 //   [stage 0 .. stages-1] each = codes | scales | activations   (every part 128-byte aligned)
-//   [barriers] stages "full" + stages "empty" mbarriers (8 B each), 128-byte aligned
 //   [scheduler] (kMaxExperts + 1) int32 tile prefix + 1 int32 total, 128-byte aligned
-// Activation rows are bk * 2 bytes plus 16 bytes of padding (ldmatrix bank spread; the producer's
-// bulk copies cannot swizzle). The epilogue stores from registers (no bytes).
+// The epilogue stores from registers, so the next tile's loads stay in flight during it (no bytes).
 struct GemmSmemLayout {
   size_t codes_bytes;    // per stage: (bn/16) m-tiles x (bk/64) chunks x 512 B
   size_t scales_bytes;   // per stage: (bn/16) x (bk/64) x 64 B
-  size_t act_row_bytes;  // bk * 2 + 16
-  size_t act_bytes;      // per stage: bt x act_row_bytes
+  size_t act_bytes;      // per stage: bt x bk x 2 B (bf16)
   size_t stage_bytes;
-  size_t barrier_offset;
-  size_t barrier_bytes;
   size_t sched_offset;
   size_t sched_bytes;
   size_t total_bytes;    // dynamic shared memory requested at launch
@@ -50,12 +44,9 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
   GemmSmemLayout l{};
   l.codes_bytes = align_up(static_cast<size_t>(c.bn / 16) * (c.bk / 64) * 512, 128);
   l.scales_bytes = align_up(static_cast<size_t>(c.bn / 16) * (c.bk / 64) * 64, 128);
-  l.act_row_bytes = static_cast<size_t>(c.bk) * 2 + 16;
-  l.act_bytes = align_up(static_cast<size_t>(c.bt) * l.act_row_bytes, 128);
+  l.act_bytes = align_up(static_cast<size_t>(c.bt) * c.bk * 2, 128);
   l.stage_bytes = l.codes_bytes + l.scales_bytes + l.act_bytes;
-  l.barrier_offset = l.stage_bytes * c.stages;
-  l.barrier_bytes = align_up(static_cast<size_t>(c.stages) * 2 * 8, 128);
-  l.sched_offset = l.barrier_offset + l.barrier_bytes;
+  l.sched_offset = l.stage_bytes * c.stages;
   l.sched_bytes = align_up((kMaxExperts + 2) * sizeof(int32_t), 128);
   l.total_bytes = l.sched_offset + l.sched_bytes;
   return l;

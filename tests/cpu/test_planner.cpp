@@ -59,24 +59,22 @@ TEST(Planner, SmemEqualsKernelLayoutForEveryConfig) {
 }
 
 TEST(Planner, HandCountedConfig) {
-  // bn 128, bt 64, bk 128, 4 stages: codes 128*128/2 = 8192, scales 128*8 = 1024,
-  // act 64 * (128*2 + 16) = 17408 (16 B of bank padding per row) -> stage 26624.
+  // bn 128, bt 64, bk 128, 4 stages: codes 128*128/2 = 8192, scales 128*8 = 1024, act 64*128*2 = 16384.
   const Sm80SmemPlan p = plan_sm80_smem(TileConfig{128, 64, 128, 4, 8});
-  EXPECT_EQ(p.stage_bytes, 26624u);
-  EXPECT_EQ(p.barrier_bytes, 128u);  // 4 stages * 2 barriers * 8 B = 64 -> 128
-  EXPECT_EQ(p.sched_bytes, 2176u);   // (512 + 2) * 4 = 2056 -> 2176 (120 B of padding)
-  EXPECT_EQ(p.total_bytes, 4u * 26624 + 128 + 2176);
-  EXPECT_EQ(p.padding_bytes, 16u * 64 * 4 + 64 + 120);
+  EXPECT_EQ(p.stage_bytes, 25600u);
+  EXPECT_EQ(p.sched_bytes, 2176u);  // (512 + 2) * 4 = 2056 -> 2176 (120 B of padding)
+  EXPECT_EQ(p.total_bytes, 4u * 25600 + 2176);
+  EXPECT_EQ(p.padding_bytes, 120u);
 }
 
 TEST(Planner, OverflowOnSm120NamesTheBytes) {
   const Sm80Plan p = plan_sm80(TileConfig{128, 64, 128, 4, 8}, arch_from_name("sm_120"));
   EXPECT_FALSE(p.verdict.valid);
-  EXPECT_NE(p.verdict.reason.find("shared memory: needs 108,800 B per block, sm_120 allows 101,376 B (over by "
-                                  "7,424 B)"),
+  EXPECT_NE(p.verdict.reason.find("shared memory: needs 104,576 B per block, sm_120 allows 101,376 B (over by "
+                                  "3,200 B)"),
             std::string::npos)
       << p.verdict.reason;
-  EXPECT_EQ(p.max_stages_that_fit, 3);  // (101376 - 2176 - 128) / 26624
+  EXPECT_EQ(p.max_stages_that_fit, 3);  // (101376 - 2176) / 25600
   // The same config fits Hopper.
   EXPECT_TRUE(plan_sm80(TileConfig{128, 64, 128, 4, 8}, arch_from_name("sm_90")).verdict.valid);
 }
@@ -92,17 +90,15 @@ TEST(Planner, EveryConfigValidOnHopperAndOnlyCompiledOnesAccepted) {
 }
 
 TEST(Planner, RegisterEstimateAndOccupancy) {
-  // wm = 1, bt = 16: acc 8 + B 4 + A 4 + raw 6 + 40 = 62 -> 64; __launch_bounds__(288, 2) (8 math warps
-  // + the producer warp) caps at 65536 / (2 * 288) = 113 -> 112.
+  // wm = 1, bt = 16: acc 8 + B 4 + A 4 + raw 6 + 40 = 62 -> 64; __launch_bounds__(256, 2) caps at 128.
   const RegisterEstimate r = estimate_registers_sm80(TileConfig{128, 16, 128, 6, 8});
   EXPECT_EQ(r.estimate, 64);
-  EXPECT_EQ(r.launch_bounds_cap, 112);
+  EXPECT_EQ(r.launch_bounds_cap, 128);
   EXPECT_EQ(r.expected, 64);
-  // wm = 2, bt = 128: acc 2*16*4 = 128 + B 32 + A 4 + raw 12 + 40 = 216; min blocks 1 -> cap
-  // 65536 / 288 = 227 -> 224.
+  // wm = 2, bt = 128: acc 2*16*4 = 128 + B 32 + A 4 + raw 12 + 40 = 216; min blocks 1 -> cap 255.
   const RegisterEstimate big = estimate_registers_sm80(TileConfig{256, 128, 64, 3, 8});
   EXPECT_EQ(big.min_blocks, 1);
-  EXPECT_EQ(big.launch_bounds_cap, 224);
+  EXPECT_EQ(big.launch_bounds_cap, 255);
   EXPECT_EQ(big.expected, 216);
   // wm = 1, bt = 128: 64 accumulators > 48, so min blocks 1 (gemm_min_ctas_per_sm) and the cap is 255:
   // 64 + 32 + 4 + 6 + 40 = 146 -> 152 fits under it.
@@ -111,7 +107,7 @@ TEST(Planner, RegisterEstimateAndOccupancy) {
   EXPECT_EQ(wide.estimate, 152);
   EXPECT_EQ(wide.expected, 152);
   // wm = 1, bt = 64: 32 accumulators, min blocks 2 -> cap 128.
-  EXPECT_EQ(estimate_registers_sm80(TileConfig{128, 64, 128, 4, 8}).launch_bounds_cap, 112);
+  EXPECT_EQ(estimate_registers_sm80(TileConfig{128, 64, 128, 4, 8}).launch_bounds_cap, 128);
   // Occupancy on sm_90 for 256 threads, 64 regs, 82,048 B: smem 233472 / 83072 = 2; regs 65536/(8*2048) = 4.
   const Occupancy o = occupancy(arch_from_name("sm_90"), 256, 64, 82048);
   EXPECT_EQ(o.by_smem, 2);

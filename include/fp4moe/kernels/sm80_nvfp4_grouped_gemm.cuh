@@ -54,35 +54,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// ---- mbarrier + bulk copy (sm_90): the producer warp's copies complete on a "full" barrier with a
-// byte count; consumers release a stage on its "empty" barrier. ----
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
-      "@!P bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
@@ -126,23 +97,23 @@ __device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, co
 }
 
 template <int BN, int BT, int BK, int STAGES, int WARPS, int EPI>
-__global__ void __launch_bounds__((WARPS + 1) * 32, gemm_min_ctas_per_sm(TileConfig{BN, BT, BK, STAGES, WARPS}))
+__global__ void __launch_bounds__(WARPS * 32, gemm_min_ctas_per_sm(TileConfig{BN, BT, BK, STAGES, WARPS}))
 sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS};
   static_assert(tile_config_well_formed(kCfg), "tile config is malformed: see tile_config_well_formed()");
   constexpr GemmSmemLayout kL = gemm_smem_layout(kCfg);
+  constexpr int kThreads = WARPS * 32;
   constexpr int WM = BN / (16 * WARPS);
   constexpr int MT = BN / 16;        // m-tiles per CTA tile
   constexpr int KC = BK / 64;        // 64-wide K chunks per stage
   constexpr int NT = BT / 8;         // n-tiles per CTA tile
-  constexpr uint32_t kActRow = static_cast<uint32_t>(kL.act_row_bytes);
   static_assert(NT % 2 == 0, "BT must be a multiple of 16 (ldmatrix.x4 loads n-tiles in pairs)");
+  constexpr int kCodePieces = MT * KC * 32;     // 16-byte pieces per stage
+  constexpr int kScalePieces = MT * KC * 4;
+  constexpr int kActPieces = BT * BK / 8;
 
   extern __shared__ __align__(128) uint8_t smem[];
   int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + kL.sched_offset);
-  const uint32_t smem_base = smem_u32(smem);
-  const uint32_t bar_full = smem_base + static_cast<uint32_t>(kL.barrier_offset);
-  const uint32_t bar_empty = bar_full + 8 * STAGES;
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -153,13 +124,6 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   const int ftiles = (p.n + BN - 1) / BN;
   const int KT = K / BK;
 
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bar_full + 8 * s, 1);          // the producer's arrive.expect_tx
-      mbar_init(bar_empty + 8 * s, WARPS);     // one arrive per math warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
   // ---- scheduler: tiles per expert, exclusive prefix (warp 0; E <= 512 -> <= 16 per lane) ----
   if (warp == 0) {
     constexpr int kPer = (kMaxExperts + 31) / 32;
@@ -204,48 +168,87 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   const int64_t codes_expert_stride = static_cast<int64_t>(p.n) * K / 2;
   const int64_t scales_expert_stride = static_cast<int64_t>(p.n) * K / 16;
 
-  if (warp == WARPS) {
-    // ---- producer warp: bulk copies, one per m-tile (codes, scales) and per valid activation row,
-    // spread over the lanes; it runs up to STAGES iterations ahead, across tile boundaries. ----
-    WorkTile t{};
-    int mt_valid = 0;
-    int stage = 0;
-    uint32_t phase = 0;
-    int kt = 0, ti = 0;
-    for (int it = 0; it < total_iters; ++it) {
-      if (kt == 0) {
-        t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p.offsets, E,
-                            p.max_rows);
-        mt_valid = min(MT, m_tiles_total - t.ftile * MT);
-      }
-      mbar_wait(bar_empty + 8 * stage, phase ^ 1u);
-      const uint32_t full = bar_full + 8 * stage;
-      const uint32_t st = smem_base + stage * static_cast<uint32_t>(kL.stage_bytes);
-      if (lane == 0)
-        mbar_arrive_expect_tx(full, static_cast<uint32_t>(mt_valid * KC * (512 + 64) + t.rows * BK * 2));
-      __syncwarp();
-      const int mt0 = t.ftile * MT;
-      const uint8_t* gc = p.codes + t.expert * codes_expert_stride +
-                          (static_cast<int64_t>(mt0) * (K / 64) + static_cast<int64_t>(kt) * KC) * 512;
-      const uint8_t* gs = p.scales + t.expert * scales_expert_stride +
-                          (static_cast<int64_t>(mt0) * (K / 64) + static_cast<int64_t>(kt) * KC) * 64;
-      for (int i = lane; i < mt_valid; i += 32) {
-        bulk_copy_g2s(st + i * (KC * 512), gc + static_cast<int64_t>(i) * (K / 64) * 512, KC * 512, full);
-        bulk_copy_g2s(st + static_cast<uint32_t>(kL.codes_bytes) + i * (KC * 64),
-                      gs + static_cast<int64_t>(i) * (K / 64) * 64, KC * 64, full);
-      }
-      // rows past the tile's valid rows are not loaded: they only feed output columns never stored
-      const uint8_t* ga = reinterpret_cast<const uint8_t*>(p.act + static_cast<int64_t>(t.row0) * K) + kt * BK * 2;
-      const uint32_t sa = st + static_cast<uint32_t>(kL.codes_bytes + kL.scales_bytes);
-      for (int r = lane; r < t.rows; r += 32)
-        bulk_copy_g2s(sa + r * kActRow, ga + static_cast<int64_t>(r) * K * 2, BK * 2, full);
-      if (++stage == STAGES) { stage = 0; phase ^= 1u; }
-      if (++kt == KT) { kt = 0; ++ti; }
-    }
-    return;
+  // ---- producer state. Which 16-byte pieces a thread copies is fixed by its index, so the shared
+  // offsets and the global offsets within a tile are computed once; per k-step only a constant stride
+  // is added (the address arithmetic would otherwise cost as much issue bandwidth as the dequant). ----
+  constexpr int kCodeIters = (kCodePieces + kThreads - 1) / kThreads;
+  constexpr int kScaleIters = (kScalePieces + kThreads - 1) / kThreads;
+  constexpr int kActIters = (kActPieces + kThreads - 1) / kThreads;
+  int code_mt[kCodeIters], code_gofs[kCodeIters];
+#pragma unroll
+  for (int i = 0; i < kCodeIters; ++i) {
+    const int piece = tid + i * kThreads;
+    code_mt[i] = piece < kCodePieces ? piece / (KC * 32) : 1 << 30;
+    code_gofs[i] = (piece / (KC * 32)) * (K / 64) * 512 + (piece % (KC * 32)) * 16;
   }
+  int scale_mt[kScaleIters], scale_gofs[kScaleIters];
+#pragma unroll
+  for (int i = 0; i < kScaleIters; ++i) {
+    const int piece = tid + i * kThreads;
+    scale_mt[i] = piece < kScalePieces ? piece / (KC * 4) : 1 << 30;
+    scale_gofs[i] = (piece / (KC * 4)) * (K / 64) * 64 + (piece % (KC * 4)) * 16;
+  }
+  int act_row[kActIters], act_gofs[kActIters];
+  uint32_t act_sofs[kActIters];
+#pragma unroll
+  for (int i = 0; i < kActIters; ++i) {
+    const int piece = tid + i * kThreads;
+    const int r = piece / (BK / 8), c = piece % (BK / 8);
+    act_row[i] = piece < kActPieces ? r : 1 << 30;
+    act_gofs[i] = r * K * 2 + c * 16;
+    // activations: [KC slabs][BT rows][128 B], 16-byte chunk c of row r stored at c ^ (r & 7) so that
+    // ldmatrix's eight row addresses hit eight different bank groups
+    act_sofs[i] = ((c >> 3) * BT + r) * 128 + (((c & 7) ^ (r & 7)) << 4);
+  }
+  const uint32_t smem_base = smem_u32(smem);
 
-  // ---- math warps ----
+  // per-tile producer bases
+  const uint8_t* ld_codes = nullptr;
+  const uint8_t* ld_scales = nullptr;
+  const uint8_t* ld_act = nullptr;
+  uint32_t ld_code_ok = 0, ld_scale_ok = 0, ld_act_ok = 0;  // bit i: piece i of this thread is loaded
+  int ld_tile = 0, ld_kt = 0, ld_stage = 0;
+  auto begin_load_tile = [&](int ti) {
+    const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix,
+                                       p.offsets, E, p.max_rows);
+    const int mt0 = t.ftile * MT;
+    ld_codes = p.codes + t.expert * codes_expert_stride + static_cast<int64_t>(mt0) * (K / 64) * 512;
+    ld_scales = p.scales + t.expert * scales_expert_stride + static_cast<int64_t>(mt0) * (K / 64) * 64;
+    ld_act = reinterpret_cast<const uint8_t*>(p.act + static_cast<int64_t>(t.row0) * K);
+    ld_code_ok = ld_scale_ok = ld_act_ok = 0;
+#pragma unroll
+    for (int i = 0; i < kCodeIters; ++i) ld_code_ok |= (mt0 + code_mt[i] < m_tiles_total) ? 1u << i : 0u;
+#pragma unroll
+    for (int i = 0; i < kScaleIters; ++i) ld_scale_ok |= (mt0 + scale_mt[i] < m_tiles_total) ? 1u << i : 0u;
+    // rows past the tile's valid rows are not loaded: they only feed output columns never stored
+#pragma unroll
+    for (int i = 0; i < kActIters; ++i) ld_act_ok |= (act_row[i] < t.rows) ? 1u << i : 0u;
+  };
+  // issue the cp.asyncs of the next (tile, k-step) into the next stage, then advance
+  auto issue_load = [&]() {
+    const uint32_t stage = smem_base + ld_stage * static_cast<uint32_t>(kL.stage_bytes);
+    const uint32_t s_codes = stage;
+    const uint32_t s_scales = stage + static_cast<uint32_t>(kL.codes_bytes);
+    const uint32_t s_act = stage + static_cast<uint32_t>(kL.codes_bytes + kL.scales_bytes);
+    const uint8_t* gc = ld_codes + ld_kt * (KC * 512);
+    const uint8_t* gs = ld_scales + ld_kt * (KC * 64);
+    const uint8_t* ga = ld_act + ld_kt * (BK * 2);
+#pragma unroll
+    for (int i = 0; i < kCodeIters; ++i)
+      if (ld_code_ok & (1u << i)) cp_async16(s_codes + (tid + i * kThreads) * 16, gc + code_gofs[i]);
+#pragma unroll
+    for (int i = 0; i < kScaleIters; ++i)
+      if (ld_scale_ok & (1u << i)) cp_async16(s_scales + (tid + i * kThreads) * 16, gs + scale_gofs[i]);
+#pragma unroll
+    for (int i = 0; i < kActIters; ++i)
+      if (ld_act_ok & (1u << i)) cp_async16(s_act + act_sofs[i], ga + act_gofs[i]);
+    if (++ld_stage == STAGES) ld_stage = 0;
+    if (++ld_kt == KT) {
+      ld_kt = 0;
+      if (++ld_tile < my_tiles) begin_load_tile(ld_tile);
+    }
+  };
+
   float acc[WM][NT][4];
 #pragma unroll
   for (int i = 0; i < WM; ++i)
@@ -254,13 +257,23 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
+  begin_load_tile(0);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < total_iters) issue_load();
+    cp_async_commit();
+  }
+
   WorkTile tile = decode_tile<BT>(static_cast<int>(blockIdx.x), s_prefix, p.offsets, E, p.max_rows);
   int tile_idx = 0, kt = 0, stage_idx = 0;
-  uint32_t phase = 0;
   const int g = lane >> 2, t4 = lane & 3;
 
   for (int it = 0; it < total_iters; ++it) {
-    mbar_wait(bar_full + 8 * stage_idx, phase);
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (it + STAGES - 1 < total_iters) issue_load();
+    cp_async_commit();
+
     const int valid_nt = (tile.rows + 7) >> 3;
     const uint8_t* stage = smem + stage_idx * kL.stage_bytes;
     const uint8_t* st_codes = stage;
@@ -299,8 +312,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
               const int row = (2 * np + (mat >> 1)) * 8 + (lane & 7);
               const int chunk = j * 2 + (mat & 1);
               uint32_t b0, b1, b2, b3;
-              // rows are padded by 16 bytes, so ldmatrix's eight row addresses fall in eight bank groups
-              ldmatrix_x4(st_act + row * kActRow + (c * 8 + chunk) * 16, b0, b1, b2, b3);
+              ldmatrix_x4(st_act + (c * BT + row) * 128 + ((chunk ^ (row & 7)) << 4), b0, b1, b2, b3);
 #pragma unroll
               for (int i = 0; i < WM; ++i) {
                 // both n-tiles of the pair: an odd last n-tile computes rows that are never stored, which
@@ -314,10 +326,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
       }
     }
 
-    // release the stage to the producer
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar_empty + 8 * stage_idx);
-    if (++stage_idx == STAGES) { stage_idx = 0; phase ^= 1u; }
+    if (++stage_idx == STAGES) stage_idx = 0;
     // ---- epilogue at the last k-step of a tile: registers -> global, then reset ----
     if (++kt == KT) {
       kt = 0;
@@ -400,6 +409,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
                                p.offsets, E, p.max_rows);
     }
   }
+  cp_async_wait<0>();
 }
 
 }  // namespace fp4moe::kernels
