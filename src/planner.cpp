@@ -39,39 +39,44 @@ size_t pad_to(size_t x, size_t a) { return (a - x % a) % a; }
 
 Sm80SmemPlan plan_sm80_smem(const TileConfig& c) {
   Sm80SmemPlan p;
+  // Activations first: bt rows x bk bf16 (2 bytes), in 128-byte swizzled rows.
+  const size_t act = static_cast<size_t>(c.bt) * c.bk * 2;
   // Weights of one stage: bn rows x bk K-elements, e2m1 = 4 bits each.
   const size_t codes = static_cast<size_t>(c.bn) * c.bk * 4 / 8;
   // One E4M3 scale (1 byte) per 16 K-elements of a row.
   const size_t scales = static_cast<size_t>(c.bn) * (c.bk / 16);
-  // Activations: bt rows x bk bf16 (2 bytes).
-  const size_t act = static_cast<size_t>(c.bt) * c.bk * 2;
-  // Each part starts 128-byte aligned (cp.async 16-byte chunks, ldmatrix rows, bank-conflict-free swizzle).
-  const size_t codes_pad = pad_to(codes, 128), scales_pad = pad_to(scales, 128), act_pad = pad_to(act, 128);
+  // Each part starts 128-byte aligned (cp.async 16-byte chunks, ldmatrix rows); a stage is a 1024-byte
+  // multiple so every stage's activations start on the 1024-byte period of wgmma's 128-byte swizzle.
+  const size_t act_pad = pad_to(act, 128), codes_pad = pad_to(codes, 128), scales_pad = pad_to(scales, 128);
+  p.act_bytes = act + act_pad;
   p.codes_bytes = codes + codes_pad;
   p.scales_bytes = scales + scales_pad;
-  p.act_bytes = act + act_pad;
-  p.stage_bytes = p.codes_bytes + p.scales_bytes + p.act_bytes;
+  const size_t parts = p.act_bytes + p.codes_bytes + p.scales_bytes;
+  const size_t stage_pad = pad_to(parts, 1024);
+  p.stage_bytes = parts + stage_pad;
   p.sched_offset = p.stage_bytes * static_cast<size_t>(c.stages);
   // Scheduler: tile prefix of every expert slot 0..kMaxExperts plus the total, int32 each.
   const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4;
   const size_t sched_pad = pad_to(sched, 128);
   p.sched_bytes = sched + sched_pad;
   p.total_bytes = p.sched_offset + p.sched_bytes;
-  p.padding_bytes = (codes_pad + scales_pad + act_pad) * c.stages + sched_pad;
+  p.padding_bytes = (codes_pad + scales_pad + act_pad + stage_pad) * c.stages + sched_pad;
 
   auto line = [&](std::string what, std::string formula, size_t bytes) {
     p.lines.push_back({std::move(what), std::move(formula), bytes});
   };
+  line("activations per stage", fmt::format("bt * bk * 2 = {} * {} * 2 (bf16){}", c.bt, c.bk,
+                                            act_pad ? fmt::format(" + {} pad", act_pad) : ""),
+       p.act_bytes);
   line("codes per stage", fmt::format("bn * bk / 2 = {} * {} / 2 (e2m1, 4 bit){}", c.bn, c.bk,
                                       codes_pad ? fmt::format(" + {} pad", codes_pad) : ""),
        p.codes_bytes);
   line("scales per stage", fmt::format("bn * bk / 16 = {} * {} / 16 (E4M3 per 16){}", c.bn, c.bk,
                                        scales_pad ? fmt::format(" + {} pad", scales_pad) : ""),
        p.scales_bytes);
-  line("activations per stage", fmt::format("bt * bk * 2 = {} * {} * 2 (bf16){}", c.bt, c.bk,
-                                            act_pad ? fmt::format(" + {} pad", act_pad) : ""),
-       p.act_bytes);
-  line("stage", "codes + scales + activations", p.stage_bytes);
+  line("stage", fmt::format("activations + codes + scales, to a 1024-byte multiple{}",
+                            stage_pad ? fmt::format(" (+ {} pad)", stage_pad) : ""),
+       p.stage_bytes);
   line("pipeline", fmt::format("stages * stage = {} * {}", c.stages, with_commas(p.stage_bytes)), p.sched_offset);
   line("scheduler", fmt::format("(kMaxExperts + 2) * 4 = ({} + 2) * 4{}", kMaxExperts,
                                 sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
@@ -138,6 +143,8 @@ Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_sm
   const size_t fixed = p.smem.sched_bytes + static_smem;
   p.max_stages_that_fit = limit > fixed ? static_cast<int>((limit - fixed) / p.smem.stage_bytes) : 0;
 
+  if (cfg.mma == 1 && !arch.has(kWgmma))
+    v.fail(fmt::format("instruction: the config needs wgmma (sm_90a), {} has {}", arch.name, arch.families_string()));
   if (!arch.has(kMmaSync))
     v.fail(fmt::format("instruction: the kernel needs mma.sync (sm_80+), {} has {}", arch.name,
                        arch.families_string()));

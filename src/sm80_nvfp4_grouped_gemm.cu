@@ -13,7 +13,7 @@
 namespace fp4moe {
 
 std::string TileConfig::name() const {
-  return fmt::format("bn{}_bt{}_bk{}_s{}_w{}", bn, bt, bk, stages, warps);
+  return fmt::format("bn{}_bt{}_bk{}_s{}_w{}{}", bn, bt, bk, stages, warps, mma == 1 ? "_wgmma" : "");
 }
 
 namespace {
@@ -161,6 +161,11 @@ TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, i
   if (r <= 16) return TileConfig{128, 16, 128, 6, 8};
   if (r <= 32) return TileConfig{128, 32, 128, 5, 8};
   if (r <= 64) return TileConfig{128, 64, 128, 4, 8};
+  // prefill: Hopper's wgmma with the widest token tile the rows fill
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+      major == 9)
+    return r <= 192 ? TileConfig{128, 128, 64, 4, 8, 1} : TileConfig{128, 256, 64, 3, 8, 1};
   return TileConfig{128, 128, 64, 4, 8};
 }
 

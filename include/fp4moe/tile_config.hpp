@@ -17,22 +17,28 @@ struct TileConfig {
   int bk = 128;     // K per pipeline stage; multiple of 64
   int stages = 4;   // cp.async pipeline depth
   int warps = 8;    // math warps; warp w owns m16 tiles [w*wm, (w+1)*wm) of the feature tile
+  int mma = 0;      // 0: mma.sync.m16n8k16 per warp (sm_80+); 1: wgmma m64nBTk16 per warpgroup (sm_90a)
 
   constexpr int wm() const { return bn / (16 * warps); }
   constexpr int threads() const { return warps * 32; }
   constexpr bool operator==(const TileConfig&) const = default;
-  std::string name() const;  // "bn128_bt64_bk128_s4_w8"
+  std::string name() const;  // "bn128_bt64_bk128_s4_w8" (+ "_wgmma")
 };
 
 // Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:
-//   [stage 0 .. stages-1] each = codes | scales | activations   (every part 128-byte aligned)
+//   [stage 0 .. stages-1] each = activations | codes | scales, padded to 1024 bytes
 //   [scheduler] (kMaxExperts + 1) int32 tile prefix + 1 int32 total, 128-byte aligned
-// The epilogue stores from registers, so the next tile's loads stay in flight during it (no bytes).
+// Activations come first in a stage and stages are 1024-byte multiples: the 128-byte-swizzled rows
+// (16-byte chunk c of row r at c ^ (r & 7)) are then exactly wgmma's K-major SWIZZLE_128B layout, whose
+// pattern repeats every 1024 bytes. The epilogue stores from registers, so the next tile's loads stay
+// in flight during it (no bytes).
 struct GemmSmemLayout {
+  size_t act_bytes;      // per stage: bt x bk x 2 B (bf16), [bk/64 slabs][bt rows][128 B]
   size_t codes_bytes;    // per stage: (bn/16) m-tiles x (bk/64) chunks x 512 B
   size_t scales_bytes;   // per stage: (bn/16) x (bk/64) x 64 B
-  size_t act_bytes;      // per stage: bt x bk x 2 B (bf16)
-  size_t stage_bytes;
+  size_t codes_offset;   // within a stage
+  size_t scales_offset;
+  size_t stage_bytes;    // act + codes + scales, rounded up to 1024
   size_t sched_offset;
   size_t sched_bytes;
   size_t total_bytes;    // dynamic shared memory requested at launch
@@ -42,10 +48,12 @@ constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
 constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
   GemmSmemLayout l{};
+  l.act_bytes = align_up(static_cast<size_t>(c.bt) * c.bk * 2, 128);
   l.codes_bytes = align_up(static_cast<size_t>(c.bn / 16) * (c.bk / 64) * 512, 128);
   l.scales_bytes = align_up(static_cast<size_t>(c.bn / 16) * (c.bk / 64) * 64, 128);
-  l.act_bytes = align_up(static_cast<size_t>(c.bt) * c.bk * 2, 128);
-  l.stage_bytes = l.codes_bytes + l.scales_bytes + l.act_bytes;
+  l.codes_offset = l.act_bytes;
+  l.scales_offset = l.codes_offset + l.codes_bytes;
+  l.stage_bytes = align_up(l.scales_offset + l.scales_bytes, 1024);
   l.sched_offset = l.stage_bytes * c.stages;
   l.sched_bytes = align_up((kMaxExperts + 2) * sizeof(int32_t), 128);
   l.total_bytes = l.sched_offset + l.sched_bytes;
@@ -60,8 +68,11 @@ constexpr int gemm_min_ctas_per_sm(const TileConfig& c) { return c.wm() * (c.bt 
 // Static validity (what types decide). Runtime validity against a GPU (smem, registers) is the
 // planner's job (planner.hpp).
 constexpr bool tile_config_well_formed(const TileConfig& c) {
-  return c.warps > 0 && c.bn > 0 && c.bn % (16 * c.warps) == 0 && c.wm() >= 1 && c.wm() <= 2 &&
-         c.bt % 8 == 0 && c.bt >= 8 && c.bt <= 128 && c.bk % 64 == 0 && c.bk >= 64 && c.stages >= 2;
+  const bool common = c.warps > 0 && c.bn > 0 && c.bn % (16 * c.warps) == 0 && c.wm() >= 1 && c.wm() <= 2 &&
+                      c.bt % 16 == 0 && c.bt >= 16 && c.bk % 64 == 0 && c.bk >= 64 && c.stages >= 2;
+  if (c.mma == 0) return common && c.bt <= 128;
+  // wgmma: one warpgroup per 64 features (wm = 1), token tile = the instruction's N
+  return c.mma == 1 && common && c.wm() == 1 && c.warps % 4 == 0 && (c.bt == 64 || c.bt == 128 || c.bt == 256);
 }
 
 // The bounded instantiation list of the sm80-nvfp4-grouped kernel (mma.sync m16n8k16 bf16 with NVFP4
@@ -74,10 +85,17 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {128, 64, 128, 4, 8},
     {64, 16, 128, 8, 4},
     {128, 32, 64, 8, 8},   // K not a multiple of 128 (gpt-oss: 2880)
+    // decode with 256-wide K stages: half the barriers and loader work per weight byte
+    {128, 16, 256, 4, 8},
+    {128, 32, 256, 3, 8},
     // prefill: each warp owns two m16 tiles so every B fragment feeds two mma. (256x128 with two m16
     // tiles per warp needs 128 accumulator registers and spilled at 255 registers: left out.)
     {256, 64, 64, 4, 8},
     {128, 128, 64, 4, 8},
+    // prefill on Hopper's wgmma: two warpgroups x 64 features, the token tile is the instruction's N
+    {128, 128, 64, 4, 8, 1},
+    {128, 256, 64, 3, 8, 1},
+    {128, 64, 128, 4, 8, 1},
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);
 

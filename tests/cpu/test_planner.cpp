@@ -59,7 +59,8 @@ TEST(Planner, SmemEqualsKernelLayoutForEveryConfig) {
 }
 
 TEST(Planner, HandCountedConfig) {
-  // bn 128, bt 64, bk 128, 4 stages: codes 128*128/2 = 8192, scales 128*8 = 1024, act 64*128*2 = 16384.
+  // bn 128, bt 64, bk 128, 4 stages: act 64*128*2 = 16384, codes 128*128/2 = 8192, scales 128*8 = 1024:
+  // 25600 is a 1024-byte multiple already.
   const Sm80SmemPlan p = plan_sm80_smem(TileConfig{128, 64, 128, 4, 8});
   EXPECT_EQ(p.stage_bytes, 25600u);
   EXPECT_EQ(p.sched_bytes, 2176u);  // (512 + 2) * 4 = 2056 -> 2176 (120 B of padding)

@@ -9,6 +9,14 @@
 // about the order depends on scheduling: the histograms use shared atomics only to COUNT, and ranks
 // come from __match_any_sync peer masks walked in a fixed order, so the result is bit-identical run to
 // run. Grid sizes depend on T alone, so there is no host synchronization (CUDA-graph capturable).
+//
+// Small T (T * k <= kSmallPermuteMaxEntries): moe_permute_small_kernel does all of it (and, if asked,
+// the gather) in ONE launch. At these sizes the four kernels above are pure latency: each launch costs
+// ~2-4 us of launch overhead plus a dependent DRAM/L2 round trip, while the work is a few KB. Every
+// block recomputes the histogram of all T * k ids (<= 16 KB, an L2 hit after the first block) instead
+// of waiting for another block's result: redundant work is far cheaper than a grid-wide dependency
+// (which needs another launch or a grid sync). Its output is identical to the multi-kernel path:
+// row(i) = offsets[e] + (entries of e before i in flat order) is a function of the ids alone.
 #pragma once
 #include <cstdint>
 
@@ -139,17 +147,163 @@ __global__ void __launch_bounds__(kPermuteWarps * 32)
   }
 }
 
-// One block per token: the row is read once and written to its k destination rows.
-__global__ void moe_gather_kernel(const uint4* __restrict__ hidden /*[T, H/8]*/, int64_t h8,
-                                  const int32_t* __restrict__ row_of /*[T, k]*/, int top_k,
-                                  uint4* __restrict__ sorted /*[T*k, H/8]*/) {
-  __shared__ int32_t rows[kMaxTopK];
-  const int64_t t = blockIdx.x;
-  if (threadIdx.x < top_k) rows[threadIdx.x] = row_of[t * top_k + threadIdx.x];
+// ---- small T: count + scan + scatter (+ gather) in one launch ----
+inline constexpr int kSmallPermuteThreads = 256;
+inline constexpr int kSmallPermuteMaxEntries = 4096;  // T * k up to this takes the one-launch path
+inline constexpr int kSmallPermuteMaxBlocks = 256;    // blocks = ceil(T / tokens_per_block) <= this
+inline constexpr int kSmallPermutePrefetch = 4;       // hidden vectors per thread loaded up front
+// tokens_per_block = ceil(T / kSmallPermuteMaxBlocks) <= ceil(kSmallPermuteMaxEntries / (256 k)), so a
+// block owns tokens_per_block * k <= ceil(16 / k) * k <= 31 entries: one warp ranks them in one round.
+static_assert(kSmallPermuteMaxEntries <= kSmallPermuteMaxBlocks * 16, "a block's entries must fit one warp");
+inline constexpr int kSmallPermuteMaxOwn = 32;
+
+__host__ __device__ constexpr int small_permute_tokens_per_block(int64_t tokens) {
+  return static_cast<int>((tokens + kSmallPermuteMaxBlocks - 1) / kSmallPermuteMaxBlocks);
+}
+
+// Block b owns tokens [b * tpb, min(T, (b + 1) * tpb)), i.e. flat entries [begin, end).
+//   1. (gather) issue the loads of the owned hidden rows first: their DRAM latency then overlaps the
+//      histogram and the scan instead of following them;
+//   2. histogram of all n ids in shared memory, split into entries before `begin` and the rest (one
+//      shared atomic per entry; counting only, so the order of the atomics cannot matter);
+//   3. block-wide exclusive scan of the totals -> offsets; block 0 writes expert_offsets (and the
+//      shared expert's {0, T});
+//   4. warp 0 ranks the owned entries (<= 32) among equal experts with __match_any_sync:
+//      row = offsets[e] + (entries of e before begin) + (peers in lower lanes);
+//   5. (gather) copy each owned hidden vector to its k rows (16-byte stores, fire and forget).
+template <bool kGather>
+__global__ void __launch_bounds__(kSmallPermuteThreads)
+    moe_permute_small_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, int tokens,
+                             int top_k, int num_experts, int tokens_per_block,
+                             int32_t* __restrict__ expert_offsets, int32_t* __restrict__ row_of,
+                             float* __restrict__ row_scale, int32_t* __restrict__ shared_offsets,
+                             const uint4* __restrict__ hidden, int64_t h8, uint4* __restrict__ sorted) {
+  constexpr int kWarps = kSmallPermuteThreads / 32;
+  __shared__ int32_t before[kMaxExperts];  // entries of e before `begin`; then the first row of e here
+  __shared__ int32_t rest[kMaxExperts];    // entries of e at or after `begin`
+  __shared__ int32_t warp_sums[kWarps];
+  __shared__ int32_t rows[kSmallPermuteMaxOwn];
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int t0 = static_cast<int>(blockIdx.x) * tokens_per_block;
+  const int t1 = min(tokens, t0 + tokens_per_block);
+  const int n = tokens * top_k, begin = t0 * top_k, end = t1 * top_k;
+
+  // 1. prefetch of the owned hidden rows (consecutive tokens are consecutive rows)
+  const int own_vecs = kGather ? static_cast<int>((t1 - t0) * h8) : 0;
+  uint4 pre[kSmallPermutePrefetch];
+  if constexpr (kGather) {
+#pragma unroll
+    for (int q = 0; q < kSmallPermutePrefetch; ++q) {
+      const int v = tid + q * kSmallPermuteThreads;
+      if (v < own_vecs) pre[q] = hidden[static_cast<int64_t>(t0) * h8 + v];
+    }
+  }
+
+  // 2. histogram
+  for (int e = tid; e < num_experts; e += kSmallPermuteThreads) {
+    before[e] = 0;
+    rest[e] = 0;
+  }
   __syncthreads();
-  for (int64_t v = threadIdx.x; v < h8; v += blockDim.x) {
-    const uint4 x = hidden[t * h8 + v];
-    for (int s = 0; s < top_k; ++s) sorted[static_cast<int64_t>(rows[s]) * h8 + v] = x;
+#pragma unroll 4
+  for (int i = tid; i < n; i += kSmallPermuteThreads) {
+    const int e = ids[i];
+    if (e >= 0 && e < num_experts) atomicAdd(i < begin ? &before[e] : &rest[e], 1);
+  }
+  __syncthreads();
+
+  // 3. exclusive scan over experts: thread tid owns experts 2 tid and 2 tid + 1 (E <= 512)
+  static_assert(2 * kSmallPermuteThreads >= kMaxExperts, "two experts per thread");
+  const int e0 = 2 * tid, e1 = 2 * tid + 1;
+  const int32_t c0 = e0 < num_experts ? before[e0] + rest[e0] : 0;
+  const int32_t c1 = e1 < num_experts ? before[e1] + rest[e1] : 0;
+  int32_t incl = c0 + c1;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int32_t o = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += o;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  int32_t warp_base = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) warp_base += w < warp ? warp_sums[w] : 0;
+  const int32_t off0 = warp_base + incl - c0 - c1, off1 = off0 + c0;
+  if (blockIdx.x == 0) {
+    if (e0 < num_experts) expert_offsets[e0] = off0;
+    if (e1 < num_experts) expert_offsets[e1] = off1;
+    if (e0 == num_experts - 1 || e1 == num_experts - 1) expert_offsets[num_experts] = off1 + c1;
+    if (tid == 0 && shared_offsets != nullptr) {
+      shared_offsets[0] = 0;
+      shared_offsets[1] = tokens;
+    }
+  }
+  // Each thread rewrites only its own two experts, read by no other thread in step 3.
+  if (e0 < num_experts) before[e0] += off0;
+  if (e1 < num_experts) before[e1] += off1;
+  __syncthreads();
+
+  // 4. rank the owned entries (flat order = token, then slot) among equal experts
+  if (warp == 0) {
+    const int i = begin + lane;
+    int e = i < end ? ids[i] : -1;
+    if (e >= num_experts) e = -1;
+    const uint32_t peers = __match_any_sync(0xffffffffu, e);
+    int32_t row = -1;
+    if (e >= 0) {
+      row = before[e] + __popc(peers & ((1u << lane) - 1u));
+      row_of[i] = row;
+      row_scale[row] = weights[i];
+    }
+    rows[lane] = row;
+  }
+  if constexpr (!kGather) return;
+  __syncthreads();
+
+  // 5. gather
+  const int k = top_k;
+  auto store = [&](int v, const uint4& x) {
+    const int tl = v / static_cast<int>(h8);
+    const int64_t col = v - static_cast<int64_t>(tl) * h8;
+    for (int s = 0; s < k; ++s) {
+      const int32_t r = rows[tl * k + s];
+      if (r >= 0) sorted[static_cast<int64_t>(r) * h8 + col] = x;
+    }
+  };
+#pragma unroll
+  for (int q = 0; q < kSmallPermutePrefetch; ++q) {
+    const int v = tid + q * kSmallPermuteThreads;
+    if (v < own_vecs) store(v, pre[q]);
+  }
+  for (int v = tid + kSmallPermutePrefetch * kSmallPermuteThreads; v < own_vecs; v += 2 * kSmallPermuteThreads) {
+    // two loads in flight per iteration before their stores
+    const int v2 = v + kSmallPermuteThreads;
+    const uint4 a = hidden[static_cast<int64_t>(t0) * h8 + v];
+    uint4 b{};
+    if (v2 < own_vecs) b = hidden[static_cast<int64_t>(t0) * h8 + v2];
+    store(v, a);
+    if (v2 < own_vecs) store(v2, b);
+  }
+}
+
+// ---- gather (the multi-kernel path, and moe_gather) ----
+inline constexpr int kGatherThreads = 128;
+
+// One thread per (token, 16-byte column): the hidden vector is read once and stored to its k rows.
+// Grid = T * ceil(H/8 / 128) blocks, so even T = 1 spreads a 12 KB row over several SMs and every
+// thread has its single load in flight at once (a block-per-token loop would serialize ~3 round trips
+// per thread at H = 6144).
+__global__ void __launch_bounds__(kGatherThreads)
+    moe_gather_kernel(const uint4* __restrict__ hidden /*[T, H/8]*/, int64_t h8, int slices,
+                      const int32_t* __restrict__ row_of /*[T, k]*/, int top_k, int num_rows,
+                      uint4* __restrict__ sorted /*[T*k, H/8]*/) {
+  const int64_t t = blockIdx.x / slices;
+  const int64_t v = static_cast<int64_t>(blockIdx.x % slices) * kGatherThreads + threadIdx.x;
+  if (v >= h8) return;
+  const uint4 x = hidden[t * h8 + v];
+  for (int s = 0; s < top_k; ++s) {
+    const int32_t r = __ldg(row_of + t * top_k + s);  // same address across the block: one broadcast
+    if (r >= 0 && r < num_rows) sorted[static_cast<int64_t>(r) * h8 + v] = x;
   }
 }
 

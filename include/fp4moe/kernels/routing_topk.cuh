@@ -3,8 +3,8 @@
 // match the CPU exactly whenever the selection scores do:
 //   - every comparison orders by (score descending, expert index ascending), a total order, so the
 //     butterfly argmax below gives the same winner on every lane whatever the reduction tree;
-//   - the softmax denominator is summed sequentially in expert-index order (one lane), as the reference
-//     sums it; a warp tree would differ from it by a few ulps, which matters when renormalize is off;
+//   - the softmax denominator is summed sequentially in expert-index order, as the reference sums it;
+//     a warp tree would differ from it by a few ulps, which matters when renormalize is off;
 //   - no multiply feeds an add, so nvcc's FMA contraction cannot change a rounding.
 // Limits: E <= kMaxExperts (512) gives at most 16 scores per lane, held in registers (the loops over
 // them are fully unrolled, so they never spill to local memory); k <= kMaxTopK (16) <= 32, so lane s
@@ -63,16 +63,84 @@ __device__ __forceinline__ void top2_merge(float& a1, float& a2, float b1, float
   }
 }
 
+// Order-preserving 32-bit key of a selection score: a larger key <=> a larger score. -0 is folded onto
+// +0 (they compare equal as floats, so their tie must go to the index rule). NaN never reaches here
+// (mapped to -inf above). Key 0 is below every score's key (-inf maps to 0x007fffff): it marks "no
+// candidate" (an invalid, masked or already taken expert).
+__device__ __forceinline__ uint32_t routing_key(float v) {
+  const uint32_t u = v == 0.0f ? 0u : __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// (key, index) a beats b: larger key, then lower index. The total order of routing_better.
+__device__ __forceinline__ bool key_better(uint32_t ka, uint32_t ia, uint32_t kb, uint32_t ib) {
+  return ka > kb || (ka == kb && ia < ib);
+}
+
+// Sorts a lane's N (power of two) candidates best first with a bitonic network. Every index is a
+// compile-time constant once unrolled, so the arrays stay in registers (a run-time index would put
+// them in local memory, i.e. DRAM-backed, ~500-cycle loads).
+template <int N>
+__device__ __forceinline__ void sort_candidates(uint32_t (&key)[N], uint32_t (&idx)[N]) {
+#pragma unroll
+  for (int size = 2; size <= N; size <<= 1) {
+#pragma unroll
+    for (int stride = size / 2; stride > 0; stride >>= 1) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          // blocks with (i & size) == 0 sort best-first, the others worst-first (bitonic merge);
+          // the last pass (size == N) sorts everything best-first.
+          const bool best_first = (i & size) == 0;
+          const bool swap = best_first ? key_better(key[j], idx[j], key[i], idx[i])
+                                       : key_better(key[i], idx[i], key[j], idx[j]);
+          if (swap) {
+            const uint32_t tk = key[i], ti = idx[i];
+            key[i] = key[j];
+            idx[i] = idx[j];
+            key[j] = tk;
+            idx[j] = ti;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Why this is fast at small T (one warp per token, so a token's latency is one warp's dependency
+// chain; at T <= 128 the GPU is nearly empty and nothing hides it):
+//   - all logits/bias loads of a lane are issued before any use (one DRAM/L2 round trip, not E/32);
+//   - each lane sorts its E/32 candidates ONCE (bitonic network in registers, ~6-10 compare layers),
+//     so a top-k round only looks at the lane's head instead of rescanning E/32 values;
+//   - a round's warp argmax is two REDUX instructions (sm_80+ single-instruction warp reductions:
+//     max of the 32-bit order-preserving score key, then min of the expert index among the lanes that
+//     hold that key) instead of a 5-step butterfly of two shuffles and a compare each;
+//   - the winner's weight value is not broadcast per round: every lane's values sit in shared memory
+//     and the slot lane reads its own after the loop (off the round-to-round critical path).
+// The selection is the same total order (score descending, index ascending) as before, and the weight
+// arithmetic is unchanged, so ids and weights are bit-identical to the butterfly version.
 template <int kPerLane>
 __global__ void __launch_bounds__(kRoutingWarps * 32) routing_topk_kernel(RoutingParams p) {
-  // Softmax denominators are summed sequentially by one lane from here (see the file comment).
+  // Per warp: the weight value of every expert (read back by the slot lanes), and for the softmax the
+  // exp values that the denominator sums in expert order.
+  __shared__ float wval_buf[kRoutingWarps][kPerLane * 32];
   __shared__ float exp_buf[kRoutingWarps][kPerLane * 32];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRoutingWarps + warp;
-  if (t >= p.tokens) return;  // the whole warp leaves together: the shuffles below stay full-warp
+  if (t >= p.tokens) return;  // the whole warp leaves together: the warp collectives below stay full-warp
   const int E = p.num_experts;
   const float* row = p.logits + t * E;
   const float kNegInf = -__int_as_float(0x7f800000);
+
+  // Issue every load first (kPerLane independent logits + bias loads in flight at once).
+  float x[kPerLane], b[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int e = lane + 32 * j;
+    x[j] = e < E ? row[e] : 0.0f;
+    b[j] = (e < E && p.bias != nullptr) ? p.bias[e] : 0.0f;
+  }
 
   float sel[kPerLane];   // selection score
   float wval[kPerLane];  // the value the weight is computed from (logit, unbiased sigmoid, z)
@@ -83,27 +151,27 @@ __global__ void __launch_bounds__(kRoutingWarps * 32) routing_topk_kernel(Routin
     sel[j] = kNegInf;
     wval[j] = 0.0f;
     if (e < E) {
-      const float x = row[e];
       valid |= 1u << j;
       if (p.kind == RouterKind::kSoftmaxTopK) {
-        sel[j] = x;
-        wval[j] = x;
+        sel[j] = x[j];
+        wval[j] = x[j];
       } else if (p.kind == RouterKind::kSigmoidGrouped) {
-        const float s = 1.0f / (1.0f + expf(-x));
-        sel[j] = p.bias ? s + p.bias[e] : s;
+        const float s = 1.0f / (1.0f + expf(-x[j]));
+        sel[j] = p.bias ? s + b[j] : s;
         wval[j] = s;
       } else {
-        const float z = p.bias ? x + p.bias[e] : x;
+        const float z = p.bias ? x[j] + b[j] : x[j];
         sel[j] = z;
         wval[j] = z;
       }
       // A NaN score must still select an in-range expert (the permutation indexes with it): it
       // ranks below every number, ties resolved by index.
       if (sel[j] != sel[j]) sel[j] = kNegInf;
+      wval_buf[warp][e] = wval[j];
     }
   }
 
-  // ---- group selection (sigmoid grouped, n_group > 1) ----
+  // ---- group selection (sigmoid grouped, n_group > 1): clears `valid` bits of dropped groups ----
   if (p.kind == RouterKind::kSigmoidGrouped && p.n_group > 1) {
     const int gsize = E / p.n_group;
     float my_group_score = kNegInf;
@@ -138,41 +206,39 @@ __global__ void __launch_bounds__(kRoutingWarps * 32) routing_topk_kernel(Routin
     }
   }
 
-  // ---- top-k: k rounds of a warp argmax; lane s keeps slot s ----
-  int my_id = 0;
-  float my_wval = 0.0f;
-  for (int s = 0; s < p.top_k; ++s) {
-    float bv = kNegInf;
-    int bi = 0x7fffffff;
+  // ---- top-k: per-lane sorted candidate lists, k rounds of a REDUX argmax; lane s keeps slot s ----
+  uint32_t key[kPerLane], idx[kPerLane];
 #pragma unroll
-    for (int j = 0; j < kPerLane; ++j) {
-      const int e = lane + 32 * j;
-      if (((valid >> j) & 1u) && routing_better(sel[j], e, bv, bi)) {
-        bv = sel[j];
-        bi = e;
-      }
-    }
-    warp_argmax(bv, bi);
-    // bi is always a valid expert: validation guarantees >= k selectable experts.
-    float wv = 0.0f;
-    if ((bi & 31) == lane) {
-#pragma unroll
-      for (int j = 0; j < kPerLane; ++j)
-        if (j == (bi >> 5)) {
-          wv = wval[j];
-          valid &= ~(1u << j);
-        }
-    }
-    wv = __shfl_sync(0xffffffffu, wv, bi & 31);
-    if (lane == s) {
-      my_id = bi;
-      my_wval = wv;
-    }
+  for (int j = 0; j < kPerLane; ++j) {
+    const bool ok = (valid >> j) & 1u;
+    key[j] = ok ? routing_key(sel[j]) : 0u;
+    idx[j] = ok ? static_cast<uint32_t>(lane + 32 * j) : 0xffffffffu;
   }
+  sort_candidates<kPerLane>(key, idx);
+
+  int my_id = 0;
+  for (int s = 0; s < p.top_k; ++s) {
+    const uint32_t best_key = __reduce_max_sync(0xffffffffu, key[0]);
+    const uint32_t bi = __reduce_min_sync(0xffffffffu, key[0] == best_key ? idx[0] : 0xffffffffu);
+    // bi is always a valid expert: validation guarantees >= k selectable experts. Its lane pops it.
+    if (idx[0] == bi) {
+#pragma unroll
+      for (int j = 0; j + 1 < kPerLane; ++j) {
+        key[j] = key[j + 1];
+        idx[j] = idx[j + 1];
+      }
+      key[kPerLane - 1] = 0u;
+      idx[kPerLane - 1] = 0xffffffffu;
+    }
+    if (lane == s) my_id = static_cast<int>(bi);
+  }
+  __syncwarp();  // wval_buf writes (all lanes) before the slot lanes read them
+  const float my_wval = lane < p.top_k ? wval_buf[warp][my_id] : 0.0f;
 
   // ---- weights ----
   float w = 0.0f;
   if (p.kind == RouterKind::kSoftmaxTopK) {
+    float denom = 0.0f;
     float m = kNegInf;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j)
@@ -182,13 +248,12 @@ __global__ void __launch_bounds__(kRoutingWarps * 32) routing_topk_kernel(Routin
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
       const int e = lane + 32 * j;
-      if (e < E) exp_buf[warp][e] = expf(row[e] - m);
+      if (e < E) exp_buf[warp][e] = expf(x[j] - m);
     }
     __syncwarp();
-    float denom = 0.0f;
-    if (lane == 0)
-      for (int e = 0; e < E; ++e) denom += exp_buf[warp][e];
-    denom = __shfl_sync(0xffffffffu, denom, 0);
+    // Sequential in expert order, as the reference sums it. Every lane runs the same loop on
+    // broadcast shared-memory reads: no divergent single-lane branch and no broadcast shuffle after.
+    for (int e = 0; e < E; ++e) denom += exp_buf[warp][e];
     w = expf(my_wval - m) / denom;
   } else if (p.kind == RouterKind::kSigmoidGrouped) {
     w = my_wval;

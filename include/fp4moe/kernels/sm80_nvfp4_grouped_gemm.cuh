@@ -19,6 +19,7 @@
 #include <cuda_bf16.h>
 
 #include "fp4moe/kernels/nvfp4_dequant.cuh"
+#include "fp4moe/kernels/sm90_wgmma.cuh"
 #include "fp4moe/nvfp4_weight_layout.hpp"
 #include "fp4moe/tile_config.hpp"
 
@@ -96,10 +97,10 @@ __device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, co
   return t;
 }
 
-template <int BN, int BT, int BK, int STAGES, int WARPS, int EPI>
-__global__ void __launch_bounds__(WARPS * 32, gemm_min_ctas_per_sm(TileConfig{BN, BT, BK, STAGES, WARPS}))
+template <int BN, int BT, int BK, int STAGES, int WARPS, int MMA, int EPI>
+__global__ void __launch_bounds__(WARPS * 32, gemm_min_ctas_per_sm(TileConfig{BN, BT, BK, STAGES, WARPS, MMA}))
 sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
-  constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS};
+  constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS, MMA};
   static_assert(tile_config_well_formed(kCfg), "tile config is malformed: see tile_config_well_formed()");
   constexpr GemmSmemLayout kL = gemm_smem_layout(kCfg);
   constexpr int kThreads = WARPS * 32;
@@ -227,9 +228,9 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   // issue the cp.asyncs of the next (tile, k-step) into the next stage, then advance
   auto issue_load = [&]() {
     const uint32_t stage = smem_base + ld_stage * static_cast<uint32_t>(kL.stage_bytes);
-    const uint32_t s_codes = stage;
-    const uint32_t s_scales = stage + static_cast<uint32_t>(kL.codes_bytes);
-    const uint32_t s_act = stage + static_cast<uint32_t>(kL.codes_bytes + kL.scales_bytes);
+    const uint32_t s_act = stage;
+    const uint32_t s_codes = stage + static_cast<uint32_t>(kL.codes_offset);
+    const uint32_t s_scales = stage + static_cast<uint32_t>(kL.scales_offset);
     const uint8_t* gc = ld_codes + ld_kt * (KC * 512);
     const uint8_t* gs = ld_scales + ld_kt * (KC * 64);
     const uint8_t* ga = ld_act + ld_kt * (BK * 2);
@@ -270,18 +271,47 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
 
   for (int it = 0; it < total_iters; ++it) {
     cp_async_wait<STAGES - 2>();
+    if constexpr (MMA == 1) {
+      // the stage the loads below overwrite was read by this warpgroup's last wgmmas; and the landed
+      // cp.async data (generic proxy) must be visible to wgmma (async proxy)
+      wgmma_wait<0>();
+      fence_proxy_async_smem();
+    }
     __syncthreads();
     if (it + STAGES - 1 < total_iters) issue_load();
     cp_async_commit();
 
     const int valid_nt = (tile.rows + 7) >> 3;
     const uint8_t* stage = smem + stage_idx * kL.stage_bytes;
-    const uint8_t* st_codes = stage;
-    const uint8_t* st_scales = stage + kL.codes_bytes;
-    const uint32_t st_act = smem_u32(stage + kL.codes_bytes + kL.scales_bytes);
+    const uint8_t* st_codes = stage + kL.codes_offset;
+    const uint8_t* st_scales = stage + kL.scales_offset;
+    const uint32_t st_act = smem_u32(stage);
     const bool warp_active = (tile.ftile * MT + warp * WM) < m_tiles_total;
 
-    if (warp_active) {
+    if constexpr (MMA == 1) {
+      // wgmma: all four warps of a warpgroup issue together (.sync.aligned), so warps whose m-tile lies
+      // past N run too (on unloaded shared memory) and their rows are simply not stored. A fragments
+      // alternate between two register sets so the dequantization of step q+1 overlaps the wgmma of
+      // step q (at most one in flight while its A registers are rewritten).
+      uint32_t abuf[2][4];
+#pragma unroll
+      for (int c = 0; c < KC; ++c) {
+        const uint4 words = *reinterpret_cast<const uint4*>(st_codes + ((warp * KC + c) * 32 + lane) * 16);
+        const uint2 sc = *reinterpret_cast<const uint2*>(st_scales + (warp * KC + c) * 64 + g * 8);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int q = c * 4 + j;
+          if (q >= 2) wgmma_wait<1>();
+          const uint32_t w = j == 0 ? words.x : j == 1 ? words.y : j == 2 ? words.z : words.w;
+          const uint32_t sw = j < 2 ? sc.x : sc.y;
+          dequant_fragment(w, decode_scale_pair(__byte_perm(sw, 0u, (j & 1) ? 0x4342u : 0x4140u)), abuf[q & 1]);
+          wgmma_fence();
+          wgmma_rs<BT>(acc[0], abuf[q & 1], wgmma_desc_k_major_sw128(st_act + c * BT * 128 + j * 32),
+                       (kt == 0 && q == 0) ? 0 : 1);
+          wgmma_commit();
+        }
+      }
+    } else if (warp_active) {
 #pragma unroll
       for (int c = 0; c < KC; ++c) {
         uint4 words[WM];
@@ -330,6 +360,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
     // ---- epilogue at the last k-step of a tile: registers -> global, then reset ----
     if (++kt == KT) {
       kt = 0;
+      if constexpr (MMA == 1) wgmma_wait<0>();
       if (warp_active) {
         const int e = tile.expert;
         const float gs = __ldg(p.global_scale + e) * layout::kAccumulatorScale;
