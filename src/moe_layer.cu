@@ -10,6 +10,7 @@
 #include "fp4moe/grouped_gemm.hpp"
 #include "fp4moe/kernels/moe_combine.cuh"
 #include "fp4moe/kernels/moe_permute.cuh"
+#include "fp4moe/kernels/moe_permute_gather.hpp"
 #include "fp4moe/kernels/routing_topk.cuh"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/tuner.hpp"
@@ -119,9 +120,31 @@ void moe_route(const MoeConfig& cfg, const float* logits, const float* router_bi
   else launch_routing<16>(rp, stream);
 }
 
-void moe_permute(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids, const float* topk_weights,
-                 int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of, float* row_scale,
-                 int32_t* shared_offsets, cudaStream_t stream) {
+namespace {
+void require_rows(const char* fn, const void* p, const char* name, int64_t hidden_size) {
+  FP4MOE_REQUIRE(p != nullptr && aligned(p, 16), "{}: {} = {} must be a non-null, 16-byte aligned device pointer",
+                 fn, name, p);
+  FP4MOE_REQUIRE(hidden_size > 0 && hidden_size % 8 == 0,
+                 "{}: hidden_size = {} must be a positive multiple of 8 (rows move as 16-byte vectors)", fn,
+                 hidden_size);
+}
+// Blocks per token of the one-thread-per-16-byte-column kernels (gather, combine).
+int row_slices(int64_t h8, int threads) { return static_cast<int>((h8 + threads - 1) / threads); }
+
+void launch_gather(const void* hidden, int64_t tokens, int64_t h8, const int32_t* row_of, int top_k, void* sorted,
+                   cudaStream_t stream) {
+  const int slices = row_slices(h8, kernels::kGatherThreads);
+  kernels::moe_gather_kernel<<<static_cast<unsigned>(tokens * slices), kernels::kGatherThreads, 0, stream>>>(
+      static_cast<const uint4*>(hidden), h8, slices, row_of, top_k, static_cast<int>(tokens * top_k),
+      static_cast<uint4*>(sorted));
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void moe_permute_gather(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids,
+                        const float* topk_weights, int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of,
+                        float* row_scale, int32_t* shared_offsets, const void* hidden, int64_t hidden_size,
+                        void* sorted, cudaStream_t stream, PermutePath path) {
   FP4MOE_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts, "moe_permute: num_experts = {} must be in [1, {}]",
                  num_experts, kMaxExperts);
   FP4MOE_REQUIRE(top_k >= 1 && top_k <= kMaxTopK, "moe_permute: top_k = {} must be in [1, {}]", top_k, kMaxTopK);
@@ -131,7 +154,33 @@ void moe_permute(int num_experts, int top_k, int64_t tokens, const int32_t* topk
   FP4MOE_REQUIRE(topk_ids && topk_weights && chunk_counts && expert_offsets && row_of && row_scale,
                  "moe_permute: topk_ids, topk_weights, chunk_counts, expert_offsets, row_of and row_scale must all "
                  "be non-null");
+  const bool gather = hidden != nullptr || sorted != nullptr;
+  if (gather) {
+    require_rows("moe_permute_gather", hidden, "hidden", hidden_size);
+    require_rows("moe_permute_gather", sorted, "sorted", hidden_size);
+  }
   const int64_t n = tokens * top_k;
+  const bool small = path == PermutePath::kSmall ||
+                     (path == PermutePath::kAuto && n <= kernels::kSmallPermuteMaxEntries);
+  if (small) {
+    FP4MOE_REQUIRE(n <= kernels::kSmallPermuteMaxEntries,
+                   "moe_permute_gather: the one-launch path takes tokens * top_k <= {}; got {} * {} = {}",
+                   kernels::kSmallPermuteMaxEntries, tokens, top_k, n);
+    const int tpb = kernels::small_permute_tokens_per_block(tokens);
+    const auto blocks = static_cast<unsigned>((tokens + tpb - 1) / tpb);
+    const int64_t h8 = gather ? hidden_size / 8 : 0;
+    if (gather) {
+      kernels::moe_permute_small_kernel<true><<<blocks, kernels::kSmallPermuteThreads, 0, stream>>>(
+          topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb, expert_offsets, row_of,
+          row_scale, shared_offsets, static_cast<const uint4*>(hidden), h8, static_cast<uint4*>(sorted));
+    } else {
+      kernels::moe_permute_small_kernel<false><<<blocks, kernels::kSmallPermuteThreads, 0, stream>>>(
+          topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb, expert_offsets, row_of,
+          row_scale, shared_offsets, nullptr, 0, nullptr);
+    }
+    FP4MOE_CUDA_CHECK_LAUNCH();
+    return;
+  }
   const auto chunks = static_cast<unsigned>(moe_permute_chunks(n));
   kernels::moe_count_kernel<<<chunks, kernels::kPermuteWarps * 32, 0, stream>>>(topk_ids, n, num_experts,
                                                                                    chunk_counts);
@@ -143,18 +192,15 @@ void moe_permute(int num_experts, int top_k, int64_t tokens, const int32_t* topk
   kernels::moe_scatter_kernel<<<chunks, kernels::kPermuteWarps * 32, 0, stream>>>(
       topk_ids, topk_weights, n, num_experts, chunk_counts, expert_offsets, row_of, row_scale);
   FP4MOE_CUDA_CHECK_LAUNCH();
+  if (gather) launch_gather(hidden, tokens, hidden_size / 8, row_of, top_k, sorted, stream);
 }
 
-namespace {
-void require_rows(const char* fn, const void* p, const char* name, int64_t hidden_size) {
-  FP4MOE_REQUIRE(p != nullptr && aligned(p, 16), "{}: {} = {} must be a non-null, 16-byte aligned device pointer",
-                 fn, name, p);
-  FP4MOE_REQUIRE(hidden_size > 0 && hidden_size % 8 == 0,
-                 "{}: hidden_size = {} must be a positive multiple of 8 (rows move as 16-byte vectors)", fn,
-                 hidden_size);
+void moe_permute(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids, const float* topk_weights,
+                 int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of, float* row_scale,
+                 int32_t* shared_offsets, cudaStream_t stream) {
+  moe_permute_gather(num_experts, top_k, tokens, topk_ids, topk_weights, chunk_counts, expert_offsets, row_of,
+                     row_scale, shared_offsets, nullptr, 0, nullptr, stream);
 }
-int row_threads(int64_t h8) { return h8 >= 256 ? 256 : static_cast<int>((h8 + 31) / 32 * 32); }
-}  // namespace
 
 void moe_gather(const void* hidden, int64_t tokens, int64_t hidden_size, const int32_t* row_of, int top_k,
                 void* sorted, cudaStream_t stream) {
@@ -163,11 +209,20 @@ void moe_gather(const void* hidden, int64_t tokens, int64_t hidden_size, const i
   FP4MOE_REQUIRE(tokens >= 1 && top_k >= 1 && top_k <= kMaxTopK && row_of != nullptr,
                  "moe_gather: tokens = {} must be >= 1, top_k = {} in [1, {}], row_of non-null", tokens, top_k,
                  kMaxTopK);
-  const int64_t h8 = hidden_size / 8;
-  kernels::moe_gather_kernel<<<static_cast<unsigned>(tokens), row_threads(h8), 0, stream>>>(
-      static_cast<const uint4*>(hidden), h8, row_of, top_k, static_cast<uint4*>(sorted));
+  launch_gather(hidden, tokens, hidden_size / 8, row_of, top_k, sorted, stream);
+}
+
+namespace {
+template <int kMaxK>
+void launch_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens, int64_t h8,
+                    void* out, cudaStream_t stream) {
+  const int slices = row_slices(h8, kernels::kCombineThreads);
+  kernels::moe_combine_kernel<kMaxK><<<static_cast<unsigned>(tokens * slices), kernels::kCombineThreads, 0, stream>>>(
+      static_cast<const uint4*>(y), static_cast<const uint4*>(shared_y), row_of, top_k, h8, slices,
+      static_cast<uint4*>(out));
   FP4MOE_CUDA_CHECK_LAUNCH();
 }
+}  // namespace
 
 void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens,
                  int64_t hidden_size, void* out, cudaStream_t stream) {
@@ -179,9 +234,11 @@ void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int
                  "moe_combine: tokens = {} must be >= 1, top_k = {} in [1, {}], row_of non-null", tokens, top_k,
                  kMaxTopK);
   const int64_t h8 = hidden_size / 8;
-  kernels::moe_combine_kernel<<<static_cast<unsigned>(tokens), row_threads(h8), 0, stream>>>(
-      static_cast<const uint4*>(y), static_cast<const uint4*>(shared_y), row_of, top_k, h8, static_cast<uint4*>(out));
-  FP4MOE_CUDA_CHECK_LAUNCH();
+  // The smallest unrolled slot count >= k: registers hold kMaxK 16-byte vectors per thread.
+  if (top_k <= 2) launch_combine<2>(y, shared_y, row_of, top_k, tokens, h8, out, stream);
+  else if (top_k <= 4) launch_combine<4>(y, shared_y, row_of, top_k, tokens, h8, out, stream);
+  else if (top_k <= 8) launch_combine<8>(y, shared_y, row_of, top_k, tokens, h8, out, stream);
+  else launch_combine<16>(y, shared_y, row_of, top_k, tokens, h8, out, stream);
 }
 
 struct MoeLayer::Impl {
@@ -354,9 +411,9 @@ void MoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens, 
   mark(1);
 
   // ---- permutation + gather ----
-  moe_permute(E, k, tokens, ws.topk_ids, ws.topk_weights, chunk_counts, ws.expert_offsets, ws.row_of,
-              ws.row_scale, c.num_shared > 0 ? shared_offsets : nullptr, stream);
-  moe_gather(hidden, tokens, H, ws.row_of, k, ws.sorted_hidden, stream);
+  moe_permute_gather(E, k, tokens, ws.topk_ids, ws.topk_weights, chunk_counts, ws.expert_offsets, ws.row_of,
+                     ws.row_scale, c.num_shared > 0 ? shared_offsets : nullptr, hidden, H, ws.sorted_hidden,
+                     stream);  // one launch when tokens * k <= 4096
   mark(2);
 
   // ---- GEMM1 (+ activation) ----

@@ -52,6 +52,9 @@ LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& c
   LaunchInfo info;
   cudaDeviceProp prop{};
   FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  if (cfg.mma == 1 && prop.major != 9)
+    throw ResourceError(fmt::format("fp4moe: tile config {} uses wgmma, which exists on sm_90a only; {} is sm_{}{}",
+                                    cfg.name(), prop.name, prop.major, prop.minor));
   const size_t smem = gemm_smem_layout(cfg).total_bytes;
   if (smem > prop.sharedMemPerBlockOptin)
     throw ResourceError(fmt::format(

@@ -205,7 +205,7 @@ TEST(GroupedGemmGpu, EveryConfigBothEpiloguesRaggedExperts) {
   REQUIRE_GPU();
   for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
     const TileConfig cfg = kGemmConfigs[ci];
-    const int64_t k = cfg.bk == 128 ? 256 : 192;
+    const int64_t k = cfg.bk >= 128 ? 2 * cfg.bk : 3 * cfg.bk;  // several k-stages, never a multiple of 128 for bk 64
     std::vector<int> rows = ragged(5, 2 * cfg.bt + 3, 100 + ci);
     rows[2] = cfg.bt + 1;  // straddles a token tile
     run_problem({cfg.bn * 2 + 16 * (cfg.bn > 64), k, rows, GemmEpilogue::kPlain, false, true}, cfg, 1 + ci);

@@ -23,27 +23,47 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const uint4& v) {
   }
 }
 
-// One block per token.
-__global__ void moe_combine_kernel(const uint4* __restrict__ y /*[T*k, H/8]*/,
-                                   const uint4* __restrict__ shared_y /*[T, H/8] or null*/,
-                                   const int32_t* __restrict__ row_of /*[T, k]*/, int top_k, int64_t h8,
-                                   uint4* __restrict__ out /*[T, H/8]*/) {
-  __shared__ int32_t rows[kMaxTopK];
-  const int64_t t = blockIdx.x;
-  if (threadIdx.x < top_k) rows[threadIdx.x] = row_of[t * top_k + threadIdx.x];
-  __syncthreads();
-  for (int64_t v = threadIdx.x; v < h8; v += blockDim.x) {
-    float acc[8];
+inline constexpr int kCombineThreads = 128;
+
+// One thread per (token, 16-byte column); grid = T * ceil(H/8 / 128) blocks.
+// Why: the old one-block-per-token loop gave each thread ~3 columns x k slots of DEPENDENT-looking
+// loads (a run-time k loop, so the compiler issued them one or a few at a time): at T = 1 that is ~20
+// serialized L2 round trips. Here each thread first issues ALL its loads (k row ids, which are one
+// broadcast address per warp, then the k slot vectors and the shared-expert vector: up to 17 16-byte
+// loads in flight, held in registers by the fully unrolled kMaxK loop), then adds them in slot order.
+// At T = 1, H = 6144 that is 6 blocks x 128 threads, two round trips (row ids, then data) in total.
+// The arithmetic is the old loop's, in the same order: fp32 sum from 0 over s = 0..k-1, then + shared,
+// then round to bf16, so the output is bit-identical.
+template <int kMaxK>
+__global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const uint4* __restrict__ y /*[T*k, H/8]*/,
+                       const uint4* __restrict__ shared_y /*[T, H/8] or null*/,
+                       const int32_t* __restrict__ row_of /*[T, k]*/, int top_k, int64_t h8, int slices,
+                       uint4* __restrict__ out /*[T, H/8]*/) {
+  const int64_t t = blockIdx.x / slices;
+  const int64_t v = static_cast<int64_t>(blockIdx.x % slices) * kCombineThreads + threadIdx.x;
+  if (v >= h8) return;
+  int32_t rows[kMaxK];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int s = 0; s < top_k; ++s) add_bf16x8(acc, y[static_cast<int64_t>(rows[s]) * h8 + v]);
-    if (shared_y != nullptr) add_bf16x8(acc, shared_y[t * h8 + v]);
-    uint4 o;
-    __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+  for (int s = 0; s < kMaxK; ++s) rows[s] = s < top_k ? __ldg(row_of + t * top_k + s) : 0;
+  uint4 vals[kMaxK];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    out[t * h8 + v] = o;
-  }
+  for (int s = 0; s < kMaxK; ++s)
+    if (s < top_k) vals[s] = y[static_cast<int64_t>(rows[s]) * h8 + v];
+  uint4 sv{};
+  if (shared_y != nullptr) sv = shared_y[t * h8 + v];
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < kMaxK; ++s)
+    if (s < top_k) add_bf16x8(acc, vals[s]);
+  if (shared_y != nullptr) add_bf16x8(acc, sv);
+  uint4 o;
+  __nv_bfloat162* oh = reinterpret_cast<__nv_bfloat162*>(&o);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) oh[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  out[t * h8 + v] = o;
 }
 
 }  // namespace fp4moe::kernels

@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include "fp4moe/kernels/moe_permute_gather.hpp"
 #include "fp4moe/tile_config.hpp"
 
 namespace fp4moe::kernels {
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(kPermuteWarps * 32)
 
 // ---- small T: count + scan + scatter (+ gather) in one launch ----
 inline constexpr int kSmallPermuteThreads = 256;
-inline constexpr int kSmallPermuteMaxEntries = 4096;  // T * k up to this takes the one-launch path
+inline constexpr int kSmallPermuteMaxEntries = kMoeSmallPermuteMaxEntries;  // T * k up to this: one launch
 inline constexpr int kSmallPermuteMaxBlocks = 256;    // blocks = ceil(T / tokens_per_block) <= this
 inline constexpr int kSmallPermutePrefetch = 4;       // hidden vectors per thread loaded up front
 // tokens_per_block = ceil(T / kSmallPermuteMaxBlocks) <= ceil(kSmallPermuteMaxEntries / (256 k)), so a
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
 
   // 1. prefetch of the owned hidden rows (consecutive tokens are consecutive rows)
   const int own_vecs = kGather ? static_cast<int>((t1 - t0) * h8) : 0;
-  uint4 pre[kSmallPermutePrefetch];
+  uint4 pre[kSmallPermutePrefetch] = {};
   if constexpr (kGather) {
 #pragma unroll
     for (int q = 0; q < kSmallPermutePrefetch; ++q) {

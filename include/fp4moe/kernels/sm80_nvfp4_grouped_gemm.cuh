@@ -289,6 +289,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
     const bool warp_active = (tile.ftile * MT + warp * WM) < m_tiles_total;
 
     if constexpr (MMA == 1) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
       // wgmma: all four warps of a warpgroup issue together (.sync.aligned), so warps whose m-tile lies
       // past N run too (on unloaded shared memory) and their rows are simply not stored. A fragments
       // alternate between two register sets so the dequantization of step q+1 overlaps the wgmma of
@@ -311,6 +312,9 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
           wgmma_commit();
         }
       }
+#else
+      __trap();  // wgmma exists on sm_90a only; the launcher refuses these configs elsewhere
+#endif
     } else if (warp_active) {
 #pragma unroll
       for (int c = 0; c < KC; ++c) {

@@ -9,6 +9,16 @@
 
 namespace fp4moe::kernels {
 
+// Every wrapper below is only called from code compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); in
+// other device passes they compile to nothing so a multi-architecture build still succeeds.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+#define FP4MOE_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define FP4MOE_WGMMA_ASM(...) \
+  do {                        \
+  } while (0)
+#endif
+
 // Shared-memory matrix descriptor (PTX "matrix-descriptor"): start address >> 4 in bits 0-13, leading
 // byte offset >> 4 in 16-29 (unused for swizzled K-major: 1), stride byte offset >> 4 in 32-45 (1024 B
 // between 8-row groups), layout type in 62-63 (1 = 128-byte swizzle).
@@ -17,11 +27,11 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t smem_addr)
          (uint64_t{1} << 62);
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { FP4MOE_WGMMA_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { FP4MOE_WGMMA_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+  FP4MOE_WGMMA_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Shared memory written by cp.async (generic proxy) is read by wgmma (async proxy).
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -31,7 +41,7 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 // m64n64k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  asm volatile(
+  FP4MOE_WGMMA_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %37, 0;\n"
@@ -56,7 +66,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint3
 // m64n128k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  asm volatile(
+  FP4MOE_WGMMA_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %69, 0;\n"
@@ -91,7 +101,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uin
 // m64n256k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  asm volatile(
+  FP4MOE_WGMMA_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %133, 0;\n"

@@ -1,0 +1,227 @@
+// The small-T fast paths of the MoE stages (moe_permute_gather.hpp, moe_layer.hpp):
+//   - the one-launch permutation + gather (PermutePath::kSmall) and the chunked multi-kernel path give
+//     identical expert_offsets, row_of, row_scale, shared offsets and sorted rows for the same ids, at
+//     T * k on both sides of the switch (kSmallPermuteMaxEntries) and for k = 1 .. 16, E up to 512,
+//     and both equal a host stable counting sort;
+//   - the combine kernel (one thread per column, all slot loads issued first) at k = 1 .. 16 and a
+//     hidden size that spans several blocks per token, bit-exact against the host formula;
+//   - the router's order-preserving score key: +0 and -0 tie (lower index wins), as float compares do.
+// Skipped without a GPU.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/format_math.hpp"
+#include "fp4moe/kernels/moe_permute_gather.hpp"
+#include "fp4moe/moe_layer.hpp"
+#include "fp4moe/reference.hpp"
+
+namespace fp4moe {
+namespace {
+
+#define FP4MOE_SKIP_WITHOUT_GPU() \
+  if (!fp4moe::gpu_available()) GTEST_SKIP() << "no CUDA GPU"
+
+constexpr int64_t kSwitch = kMoeSmallPermuteMaxEntries;
+
+template <class T>
+OwnedDeviceBuffer upload(const std::vector<T>& v) {
+  OwnedDeviceBuffer b(std::max<size_t>(v.size() * sizeof(T), 16));
+  if (!v.empty()) FP4MOE_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return b;
+}
+template <class T>
+std::vector<T> download(const void* p, size_t n) {
+  std::vector<T> v(n);
+  if (n > 0) FP4MOE_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+  return v;
+}
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~Stream() { cudaStreamDestroy(s); }
+};
+
+struct PermuteOut {
+  std::vector<int32_t> offsets, row_of, shared;
+  std::vector<float> row_scale;
+  std::vector<uint16_t> sorted;
+};
+
+PermuteOut run_permute(PermutePath path, int E, int k, int64_t T, int64_t H, const OwnedDeviceBuffer& d_ids,
+                       const OwnedDeviceBuffer& d_w, const OwnedDeviceBuffer& d_h, cudaStream_t s) {
+  const int64_t n = T * k;
+  OwnedDeviceBuffer cc(std::max<int64_t>(moe_permute_chunks(n), 1) * E * 4), off((E + 1) * 4), row(n * 4),
+      rs(n * 4), sh(16), sorted(n * H * 2);
+  // Poison everything the kernels must write.
+  FP4MOE_CUDA_CHECK(cudaMemset(off.get(), 0xff, off.bytes()));
+  FP4MOE_CUDA_CHECK(cudaMemset(row.get(), 0xff, row.bytes()));
+  FP4MOE_CUDA_CHECK(cudaMemset(rs.get(), 0xff, rs.bytes()));
+  FP4MOE_CUDA_CHECK(cudaMemset(sh.get(), 0xff, sh.bytes()));
+  FP4MOE_CUDA_CHECK(cudaMemset(sorted.get(), 0xff, sorted.bytes()));
+  moe_permute_gather(E, k, T, d_ids.as<int32_t>(), d_w.as<float>(), cc.as<int32_t>(), off.as<int32_t>(),
+                     row.as<int32_t>(), rs.as<float>(), sh.as<int32_t>(), d_h.get(), H, sorted.get(), s, path);
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  PermuteOut o;
+  o.offsets = download<int32_t>(off.get(), E + 1);
+  o.row_of = download<int32_t>(row.get(), n);
+  o.row_scale = download<float>(rs.get(), n);
+  o.shared = download<int32_t>(sh.get(), 2);
+  o.sorted = download<uint16_t>(sorted.get(), n * H);
+  return o;
+}
+
+TEST(MoeSmallPathsGpu, OneLaunchPermutationEqualsChunkedPath) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Stream st;
+  std::mt19937_64 rng(123);
+  struct Case {
+    int E, k;
+    std::vector<int64_t> tokens;
+  };
+  // T * k just below / at / above the switch, tiny T, and blocks owning several tokens (k = 1, 3).
+  const std::vector<Case> cases = {{256, 8, {1, 2, 7, 128, 511, 512, 513}},
+                                   {512, 16, {1, 5, 255, 256, 257}},
+                                   {40, 3, {1, 300, 1365, 1366, 1367}},
+                                   {8, 1, {1, 257, 1000, 4095, 4096, 4097}},
+                                   {128, 4, {3, 1024, 1025}}};
+  for (const Case& c : cases) {
+    for (int64_t T : c.tokens) {
+      for (int skew = 0; skew < 2; ++skew) {
+        SCOPED_TRACE(testing::Message() << "E=" << c.E << " k=" << c.k << " T=" << T << " skew=" << skew);
+        const int E = c.E, k = c.k;
+        const int64_t H = 24 * 8;  // 24 16-byte columns
+        std::vector<int32_t> ids(T * k);
+        std::vector<float> w(T * k);
+        for (int64_t t = 0; t < T; ++t) {
+          std::vector<int> perm(E);
+          std::iota(perm.begin(), perm.end(), 0);
+          std::shuffle(perm.begin(), perm.end(), rng);
+          for (int s = 0; s < k; ++s) {
+            ids[t * k + s] = skew ? (s + static_cast<int>(t)) % k : perm[s];  // skew: k experts own everything
+            w[t * k + s] = std::uniform_real_distribution<float>(0.f, 1.f)(rng);
+          }
+        }
+        std::vector<uint16_t> hidden(T * H);
+        for (auto& v : hidden) v = static_cast<uint16_t>(rng());
+        // Host: stable counting sort.
+        std::vector<int32_t> off(E + 1, 0), row_of(T * k);
+        std::vector<float> row_scale(T * k);
+        for (int32_t e : ids) ++off[e + 1];
+        for (int e = 0; e < E; ++e) off[e + 1] += off[e];
+        std::vector<int32_t> next(off.begin(), off.end() - 1);
+        for (int64_t i = 0; i < T * k; ++i) {
+          row_of[i] = next[ids[i]]++;
+          row_scale[row_of[i]] = w[i];
+        }
+        OwnedDeviceBuffer d_ids = upload(ids), d_w = upload(w), d_h = upload(hidden);
+        const PermuteOut chunked = run_permute(PermutePath::kChunked, E, k, T, H, d_ids, d_w, d_h, st.s);
+        const PermuteOut automatic = run_permute(PermutePath::kAuto, E, k, T, H, d_ids, d_w, d_h, st.s);
+        ASSERT_EQ(chunked.offsets, off);
+        ASSERT_EQ(chunked.row_of, row_of);
+        ASSERT_EQ(chunked.row_scale, row_scale);
+        ASSERT_EQ(chunked.shared, (std::vector<int32_t>{0, static_cast<int32_t>(T)}));
+        for (int64_t i = 0; i < T * k; ++i)
+          ASSERT_EQ(0, std::memcmp(&chunked.sorted[row_of[i] * H], &hidden[(i / k) * H], H * 2)) << "entry " << i;
+        auto same = [&](const PermuteOut& o) {
+          ASSERT_EQ(o.offsets, chunked.offsets);
+          ASSERT_EQ(o.row_of, chunked.row_of);
+          ASSERT_EQ(o.row_scale, chunked.row_scale);
+          ASSERT_EQ(o.shared, chunked.shared);
+          ASSERT_EQ(o.sorted, chunked.sorted);
+        };
+        same(automatic);
+        if (T * k <= kSwitch) {
+          const PermuteOut small = run_permute(PermutePath::kSmall, E, k, T, H, d_ids, d_w, d_h, st.s);
+          same(small);
+          // permute only (no gather), as moe_permute runs it
+          OwnedDeviceBuffer cc(moe_permute_chunks(T * k) * E * 4), d_off((E + 1) * 4), d_row(T * k * 4),
+              d_rs(T * k * 4);
+          moe_permute(E, k, T, d_ids.as<int32_t>(), d_w.as<float>(), cc.as<int32_t>(), d_off.as<int32_t>(),
+                      d_row.as<int32_t>(), d_rs.as<float>(), nullptr, st.s);
+          FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+          ASSERT_EQ(download<int32_t>(d_off.get(), E + 1), off);
+          ASSERT_EQ(download<int32_t>(d_row.get(), T * k), row_of);
+          ASSERT_EQ(download<float>(d_rs.get(), T * k), row_scale);
+        } else {
+          EXPECT_THROW(run_permute(PermutePath::kSmall, E, k, T, H, d_ids, d_w, d_h, st.s), Error);
+        }
+      }
+    }
+  }
+}
+
+TEST(MoeSmallPathsGpu, CombineEveryTopKAndWideRows) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Stream st;
+  std::mt19937_64 rng(5);
+  for (int k : {1, 2, 3, 4, 5, 8, 9, 16}) {
+    for (int64_t T : {1, 2, 9}) {
+      for (int64_t H : {int64_t{8}, int64_t{1032}, int64_t{6144}}) {  // 1, 129 (2 blocks, ragged), 768 columns
+        SCOPED_TRACE(testing::Message() << "k=" << k << " T=" << T << " H=" << H);
+        // row_of: a random permutation of the T * k rows
+        std::vector<int32_t> row_of(T * k);
+        std::iota(row_of.begin(), row_of.end(), 0);
+        std::shuffle(row_of.begin(), row_of.end(), rng);
+        std::vector<uint16_t> y(T * k * H), shared(T * H);
+        for (auto& v : y) v = float_to_bf16_bits(std::normal_distribution<float>()(rng));
+        for (auto& v : shared) v = float_to_bf16_bits(std::normal_distribution<float>()(rng));
+        OwnedDeviceBuffer d_row = upload(row_of), d_y = upload(y), d_s = upload(shared), d_out(T * H * 2);
+        for (int with_shared = 0; with_shared < 2; ++with_shared) {
+          FP4MOE_CUDA_CHECK(cudaMemset(d_out.get(), 0xff, d_out.bytes()));
+          moe_combine(d_y.get(), with_shared ? d_s.get() : nullptr, d_row.as<int32_t>(), k, T, H, d_out.get(), st.s);
+          FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+          const std::vector<uint16_t> out = download<uint16_t>(d_out.get(), T * H);
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t h = 0; h < H; ++h) {
+              float acc = 0.0f;
+              for (int s = 0; s < k; ++s) acc += bf16_bits_to_float(y[row_of[t * k + s] * H + h]);
+              if (with_shared) acc += bf16_bits_to_float(shared[t * H + h]);
+              ASSERT_EQ(out[t * H + h], float_to_bf16_bits(acc)) << "t " << t << " h " << h;
+            }
+        }
+      }
+    }
+  }
+}
+
+TEST(MoeSmallPathsGpu, SignedZeroScoresTieToTheLowerIndex) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Stream st;
+  MoeConfig c;
+  c.name = "gptoss-zeros";
+  c.hidden = 128;
+  c.intermediate = 64;
+  c.num_experts = 64;
+  c.top_k = 8;
+  c.router = RouterKind::kGptOss;
+  c.renormalize = false;
+  c.activation = Activation::kGptOssSwiGLU;
+  c.expert_bias = true;
+  const int64_t T = 16;
+  std::mt19937_64 rng(9);
+  std::vector<float> logits(T * c.num_experts);
+  for (auto& v : logits) {
+    const uint64_t r = rng() % 4;
+    v = r == 0 ? 0.0f : r == 1 ? -0.0f : r == 2 ? -1.0f : -2.0f;  // many +0 / -0 ties at the top
+  }
+  OwnedDeviceBuffer d_l = upload(logits), ids(T * c.top_k * 4), w(T * c.top_k * 4);
+  moe_route(c, d_l.as<float>(), nullptr, T, ids.as<int32_t>(), w.as<float>(), st.s);
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+  const Routing ref = route_reference(c, logits, {}, T);
+  EXPECT_EQ(download<int32_t>(ids.get(), T * c.top_k), ref.ids);
+  const std::vector<float> got = download<float>(w.get(), T * c.top_k);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], ref.weights[i], 1e-6f * std::abs(ref.weights[i]));
+}
+
+}  // namespace
+}  // namespace fp4moe
