@@ -25,6 +25,7 @@ struct ExplainArgs {
   std::string tile;
   int stages = 0;
   int warps = 0;
+  bool wgmma = false;
   std::string model;
   int64_t tokens = 0;
   int sms = 0;
@@ -77,10 +78,10 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
   if (!a.tile.empty()) {
     int t[3];
     parse_tile(a.tile, t);
-    TileConfig cfg{t[0], t[1], t[2], 4, 8};
-    // Defaults for stages / warps: the instantiated config with this bn x bt x bk, if any.
+    TileConfig cfg{t[0], t[1], t[2], 4, 8, a.wgmma ? 1 : 0};
+    // Defaults for stages / warps: the instantiated config with this bn x bt x bk (and MMA kind), if any.
     for (const TileConfig& c : kGemmConfigs)
-      if (c.bn == cfg.bn && c.bt == cfg.bt && c.bk == cfg.bk) {
+      if (c.bn == cfg.bn && c.bt == cfg.bt && c.bk == cfg.bk && c.mma == cfg.mma) {
         cfg.stages = c.stages;
         cfg.warps = c.warps;
         break;
@@ -198,6 +199,7 @@ void register_explain(CLI::App& app) {
                   "sm80-nvfp4-grouped: BNxBTxBK (features x tokens x K); cutlass: MxNxK. Without it: every config");
   cmd->add_option("--stages", args->stages, "pipeline stages (default: the instantiated config's / CUTLASS auto)");
   cmd->add_option("--warps", args->warps, "math warps (sm80-nvfp4-grouped)");
+  cmd->add_flag("--wgmma", args->wgmma, "sm80-nvfp4-grouped: the wgmma (sm_90a) variant of the tile");
   cmd->add_option("--model", args->model, "model preset for the problem (glm-5, deepseek-v3, ...)");
   cmd->add_option("--tokens", args->tokens, "tokens T of the problem (rows per expert = T * top_k / E)");
   cmd->add_option("--sms", args->sms, "number of SMs (default: the device's, else the table's product)");

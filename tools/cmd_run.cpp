@@ -12,7 +12,10 @@
 
 #include "commands.hpp"
 #include "fp4moe/config.hpp"
+#include "fp4moe/cuda_check.hpp"
+#include "fp4moe/device_buffer.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/moe_layer.hpp"
 #include "fp4moe/format_math.hpp"
 #include "fp4moe/reference.hpp"
 
@@ -28,6 +31,8 @@ struct RunArgs {
   int experts = 0, top_k = 0;
   int threads = 0;
   bool no_round = false;
+  bool cpu = false;
+  bool check = false;
 };
 
 const char* router_name(RouterKind r) {
@@ -77,6 +82,52 @@ uint64_t bf16_hash(const std::vector<float>& v) {
   return h;
 }
 
+// The GPU layer on the same synthetic weights (generated on the device, bit-identical to the host
+// recipe) and inputs. Returns the output as floats (bf16 values) and the median forward time.
+std::vector<float> run_gpu(const MoeConfig& cfg, const RunArgs& a, double* forward_us) {
+  cudaStream_t s;
+  FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  SyntheticDeviceLayer syn = make_synthetic_layer_device(cfg, a.seed, s);
+  MoeLayer layer(cfg, syn.weights, a.tokens, s);
+  DeviceBuffer<uint8_t> ws(layer.workspace_bytes());
+  DeviceBuffer<uint16_t> hidden(a.tokens * cfg.hidden), out(a.tokens * cfg.hidden);
+  DeviceBuffer<float> logits(a.tokens * cfg.num_experts);
+  make_synthetic_hidden_device(cfg, a.seed, a.tokens, hidden.get(), s);
+  make_synthetic_router_logits_device(cfg, a.seed, a.tokens, logits.get(), s);
+  cudaEvent_t e0, e1;
+  FP4MOE_CUDA_CHECK(cudaEventCreate(&e0));
+  FP4MOE_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<double> times;
+  for (int i = 0; i < 6; ++i) {  // the first call loads kernels; the median of the rest is reported
+    FP4MOE_CUDA_CHECK(cudaEventRecord(e0, s));
+    layer.forward(s, hidden.get(), a.tokens, logits.get(), out.get(), ws.get(), ws.bytes());
+    FP4MOE_CUDA_CHECK(cudaEventRecord(e1, s));
+    FP4MOE_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    FP4MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i > 0) times.push_back(ms * 1e3);
+  }
+  std::sort(times.begin(), times.end());
+  *forward_us = times[times.size() / 2];
+  FP4MOE_CUDA_CHECK(cudaEventDestroy(e0));
+  FP4MOE_CUDA_CHECK(cudaEventDestroy(e1));
+  const std::vector<uint16_t> bits = out.download();
+  FP4MOE_CUDA_CHECK(cudaStreamDestroy(s));
+  std::vector<float> r(bits.size());
+  for (size_t i = 0; i < bits.size(); ++i) r[i] = bf16_bits_to_float(bits[i]);
+  return r;
+}
+
+void print_checksum(const std::vector<float>& out, int64_t t, int64_t h, bool bf16) {
+  double sum = 0, sumsq = 0;
+  for (float v : out) {
+    sum += v;
+    sumsq += static_cast<double>(v) * v;
+  }
+  fmt::print("output [{}, {}]{}: sum = {:.9e}, sum of squares = {:.9e}, hash = {:016x}\n", t, h, bf16 ? " bf16" : " fp32",
+             sum, sumsq, bf16_hash(out));
+}
+
 void run(const RunArgs& a) {
   using clock = std::chrono::steady_clock;
   const auto seconds = [](clock::time_point t0) { return std::chrono::duration<double>(clock::now() - t0).count(); };
@@ -95,9 +146,24 @@ void run(const RunArgs& a) {
              cfg.activation == Activation::kGptOssSwiGLU ? "clamped SwiGLU (gpt-oss)" : "SwiGLU",
              cfg.expert_bias ? " with biases" : "", "NVFP4");
   fmt::print("tokens: {}, seed: {}\n", t_count, a.seed);
+  std::vector<float> gpu_out;
+  if (!a.cpu && gpu_available()) {
+    FP4MOE_REQUIRE(!a.no_round, "--no-round applies to the CPU reference only; add --cpu");
+    cudaDeviceProp prop{};
+    FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    fmt::print("device: GPU {} (sm_{}{}), fp4moe::MoeLayer\n", prop.name, prop.major, prop.minor);
+    double us = 0;
+    gpu_out = run_gpu(cfg, a, &us);
+    fmt::print("layer forward: {:.1f} us (median of 5 eager calls, after one warm-up)\n", us);
+    print_checksum(gpu_out, t_count, cfg.hidden, true);
+    if (!a.check) return;
+    fmt::print("--check: running the CPU reference on the same weights and inputs\n");
+  } else if (!a.cpu) {
+    fmt::print("no CUDA GPU found: ");
+  }
   const ReferenceOptions opts{.round_intermediates = !a.no_round, .threads = a.threads};
   const int threads = a.threads > 0 ? a.threads : std::max(1u, std::thread::hardware_concurrency());
-  fmt::print("device: CPU reference (no GPU path used), {} thread{}, {}\n", threads, threads == 1 ? "" : "s",
+  fmt::print("device: CPU reference, {} thread{}, {}\n", threads, threads == 1 ? "" : "s",
              opts.round_intermediates ? "GPU rounding points (bf16 activations and outputs)"
                                       : "pure float path (no bf16 rounding)");
 
@@ -124,18 +190,26 @@ void run(const RunArgs& a) {
   // CPU time of all threads: on a shared machine wall time alone says little.
   const double cpu_s = static_cast<double>(std::clock() - cpu_start) / CLOCKS_PER_SEC;
 
-  double sum = 0, sumsq = 0;
-  for (float v : out) {
-    sum += v;
-    sumsq += static_cast<double>(v) * v;
-  }
   fmt::print("routing: {:.3f} ms; {} active experts of {} (at most {} row{} per expert)\n", route_s * 1e3, active,
              cfg.num_experts, max_rows, max_rows == 1 ? "" : "s");
   fmt::print("layer: {:.3f} s for {} experts built (synthetic generation + NVFP4 quantization) and computed\n",
              layer_s, experts.built());
   fmt::print("wall time: {:.3f} s (CPU time {:.3f} s)\n", total_s, cpu_s);
-  fmt::print("output [{}, {}]{}: sum = {:.9e}, sum of squares = {:.9e}, hash = {:016x}\n", t_count, cfg.hidden,
-             opts.round_intermediates ? " bf16" : " fp32", sum, sumsq, bf16_hash(out));
+  print_checksum(out, t_count, cfg.hidden, opts.round_intermediates);
+  if (!gpu_out.empty()) {
+    double err2 = 0, ref2 = 0;
+    size_t equal = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+      err2 += (static_cast<double>(gpu_out[i]) - out[i]) * (static_cast<double>(gpu_out[i]) - out[i]);
+      ref2 += static_cast<double>(out[i]) * out[i];
+      equal += gpu_out[i] == out[i];
+    }
+    const double rel = std::sqrt(err2 / std::max(ref2, 1e-300));
+    fmt::print("GPU vs CPU reference: relative L2 error {:.3e}, {:.2f}% of elements bit-identical\n", rel,
+               100.0 * static_cast<double>(equal) / static_cast<double>(out.size()));
+    FP4MOE_REQUIRE(rel < 1e-2, "--check: GPU output differs from the CPU reference (relative L2 error {:.3e} >= 1e-2)",
+                   rel);
+  }
 }
 
 }  // namespace
@@ -156,7 +230,9 @@ void register_run(CLI::App& app) {
   cmd->add_option("--experts", a->experts, "Routed experts E (overrides the preset)");
   cmd->add_option("--top-k", a->top_k, "Experts per token (overrides the preset)");
   cmd->add_option("--threads", a->threads, "CPU threads (0 = all cores)")->capture_default_str();
-  cmd->add_flag("--no-round", a->no_round, "Skip the GPU's bf16 rounding points (pure float path)");
+  cmd->add_flag("--no-round", a->no_round, "Skip the GPU's bf16 rounding points (pure float path; with --cpu)");
+  cmd->add_flag("--cpu", a->cpu, "Run the CPU reference even when a GPU is present");
+  cmd->add_flag("--check", a->check, "With a GPU: also run the CPU reference and compare");
   cmd->callback([a] { run(*a); });
 }
 
