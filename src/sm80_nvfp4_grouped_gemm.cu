@@ -168,7 +168,7 @@ TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, i
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
       major == 9)
-    return r <= 192 ? TileConfig{128, 128, 64, 4, 8, 1} : TileConfig{128, 256, 64, 3, 8, 1};
+    return r <= 192 ? TileConfig{128, 128, 64, 4, 8, 1} : TileConfig{128, 256, 64, 4, 8, 1};
   return TileConfig{128, 128, 64, 4, 8};
 }
 

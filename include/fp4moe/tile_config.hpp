@@ -72,7 +72,8 @@ constexpr bool tile_config_well_formed(const TileConfig& c) {
                       c.bt % 16 == 0 && c.bt >= 16 && c.bk % 64 == 0 && c.bk >= 64 && c.stages >= 2;
   if (c.mma == 0) return common && c.bt <= 128;
   // wgmma: one warpgroup per 64 features (wm = 1), token tile = the instruction's N
-  return c.mma == 1 && common && c.wm() == 1 && c.warps % 4 == 0 && (c.bt == 64 || c.bt == 128 || c.bt == 256);
+  return c.mma == 1 && common && c.stages >= 3 && c.wm() == 1 && c.warps % 4 == 0 &&
+         (c.bt == 64 || c.bt == 128 || c.bt == 256);
 }
 
 // The bounded instantiation list of the sm80-nvfp4-grouped kernel (mma.sync m16n8k16 bf16 with NVFP4
@@ -94,8 +95,9 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {128, 128, 64, 4, 8},
     // prefill on Hopper's wgmma: two warpgroups x 64 features, the token tile is the instruction's N
     {128, 128, 64, 4, 8, 1},
-    {128, 256, 64, 3, 8, 1},
+    {128, 256, 64, 4, 8, 1},
     {128, 64, 128, 4, 8, 1},
+    {128, 256, 128, 3, 8, 1},
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);
 

@@ -260,7 +260,13 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
 
   begin_load_tile(0);
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  // Loads run kAhead iterations ahead. wgmma reads shared memory asynchronously, so its configs keep one
+  // more stage between the stage being loaded and the one being read: the stage overwritten at
+  // iteration it was read at it - 2, whose wgmmas the wait_group<1> of iteration it - 1 has retired,
+  // and no drain (wait_group<0>) is needed at the barrier.
+  constexpr int kAhead = MMA == 1 ? STAGES - 2 : STAGES - 1;
+  static_assert(kAhead >= 1, "wgmma configs need at least 3 stages");
+  for (int s = 0; s < kAhead; ++s) {
     if (s < total_iters) issue_load();
     cp_async_commit();
   }
@@ -270,15 +276,11 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   const int g = lane >> 2, t4 = lane & 3;
 
   for (int it = 0; it < total_iters; ++it) {
-    cp_async_wait<STAGES - 2>();
-    if constexpr (MMA == 1) {
-      // the stage the loads below overwrite was read by this warpgroup's last wgmmas; and the landed
-      // cp.async data (generic proxy) must be visible to wgmma (async proxy)
-      wgmma_wait<0>();
-      fence_proxy_async_smem();
-    }
+    cp_async_wait<kAhead - 1>();
+    // landed cp.async data (generic proxy) must be visible to wgmma (async proxy)
+    if constexpr (MMA == 1) fence_proxy_async_smem();
     __syncthreads();
-    if (it + STAGES - 1 < total_iters) issue_load();
+    if (it + kAhead < total_iters) issue_load();
     cp_async_commit();
 
     const int valid_nt = (tile.rows + 7) >> 3;
