@@ -79,8 +79,10 @@ bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) %
 
 }  // namespace
 
-void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args, const TileConfig& cfg,
-                        cudaStream_t stream) {
+namespace {
+
+void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& args, const GroupedWeightsView* xw,
+                         const GroupedGemmArgs* xa, const TileConfig& cfg, cudaStream_t stream) {
   FP4MOE_REQUIRE(w.num_experts >= 1 && w.num_experts <= kMaxExperts,
                  "num_experts = {} must be in [1, {}]", w.num_experts, kMaxExperts);
   FP4MOE_REQUIRE(w.n > 0 && w.n % 16 == 0, "weights n = {} must be a positive multiple of 16", w.n);
@@ -108,6 +110,23 @@ void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args
   FP4MOE_REQUIRE(!swiglu || args.row_scale == nullptr, "row_scale is only supported by the plain epilogue");
   FP4MOE_REQUIRE(swiglu || w.global_scale_up == nullptr, "global_scale_up is only meaningful for a SwiGLU epilogue");
 
+  if (xw != nullptr) {
+    FP4MOE_REQUIRE(xw->num_experts == 1, "extra weight set: num_experts = {} must be 1", xw->num_experts);
+    FP4MOE_REQUIRE(xw->n == w.n && xw->k == w.k, "extra weight set: n x k = {} x {} must equal the routed set's {} x {}",
+                   xw->n, xw->k, w.n, w.k);
+    FP4MOE_REQUIRE(xw->gate_up_interleaved == w.gate_up_interleaved && xa->epilogue == args.epilogue,
+                   "extra weight set: epilogue and repack row order must equal the routed set's");
+    FP4MOE_REQUIRE(xw->codes != nullptr && aligned(xw->codes, 16) && xw->scales != nullptr && aligned(xw->scales, 16) &&
+                       xw->global_scale != nullptr,
+                   "extra weight set: codes/scales must be non-null and 16-byte aligned, global_scale non-null");
+    FP4MOE_REQUIRE(xa->act != nullptr && aligned(xa->act, 16) && xa->out != nullptr && aligned(xa->out, 4) &&
+                       xa->expert_offsets != nullptr,
+                   "extra weight set: act (16-byte aligned), out (4-byte aligned) and expert_offsets must be non-null");
+    FP4MOE_REQUIRE(xa->max_rows > 0 && xa->max_rows <= INT_MAX, "extra weight set: max_rows = {} must be in [1, {}]",
+                   xa->max_rows, INT_MAX);
+    FP4MOE_REQUIRE(xa->row_scale == nullptr, "extra weight set: row_scale is not supported");
+    FP4MOE_REQUIRE(w.num_experts + 1 <= kMaxExperts + 1, "routed experts + the extra set exceed {}", kMaxExperts + 1);
+  }
   const int idx = config_index(cfg);
   const detail::GemmKernelFn fn = kernel_for(idx, args.epilogue);
   int device = 0;
@@ -116,7 +135,8 @@ void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args
 
   // Work tiles <= (rows / bt + experts) * feature tiles; more CTAs than that would only exit.
   const int64_t ftiles = (w.n + cfg.bn - 1) / cfg.bn;
-  const int64_t max_tiles = (args.max_rows / cfg.bt + w.num_experts) * ftiles;
+  const int64_t max_tiles =
+      (args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0)) * ftiles;
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, int64_t{info.sms} * info.ctas_per_sm)));
 
   kernels::GroupedGemmParams p{};
@@ -135,8 +155,31 @@ void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args
   p.max_rows = static_cast<int>(args.max_rows);
   p.alpha = args.swiglu_alpha;
   p.limit = args.swiglu_limit;
+  if (xw != nullptr) {
+    p.x_codes = xw->codes;
+    p.x_scales = xw->scales;
+    p.x_global_scale = xw->global_scale;
+    p.x_global_scale_up = xw->global_scale_up;
+    p.x_bias = xw->bias;
+    p.x_act = static_cast<const __nv_bfloat16*>(xa->act);
+    p.x_offsets = xa->expert_offsets;
+    p.x_out = static_cast<__nv_bfloat16*>(xa->out);
+    p.x_max_rows = static_cast<int>(xa->max_rows);
+  }
   fn<<<grid, cfg.threads(), gemm_smem_layout(cfg).total_bytes, stream>>>(p);
   FP4MOE_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args, const TileConfig& cfg,
+                        cudaStream_t stream) {
+  launch_grouped_gemm(w, args, nullptr, nullptr, cfg, stream);
+}
+
+void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args, const GroupedWeightsView& extra_w,
+                        const GroupedGemmArgs& extra_args, const TileConfig& cfg, cudaStream_t stream) {
+  launch_grouped_gemm(w, args, &extra_w, &extra_args, cfg, stream);
 }
 
 cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpilogue epilogue) {

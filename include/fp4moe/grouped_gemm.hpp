@@ -51,6 +51,14 @@ struct GroupedGemmArgs {
 void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args, const TileConfig& cfg,
                         cudaStream_t stream);
 
+// Two weight sets in one launch: `w`/`args` (the routed experts) and `extra_w`/`extra_args` (one expert,
+// e.g. a shared expert seeing every token). The extra set must have the same n, k, row order and
+// epilogue; it has its own activations, expert_offsets (2 entries), max_rows and output, and no row
+// scale. Its tiles are scheduled with the routed experts' tiles, so a small shared expert does not run
+// as a separate, mostly idle launch.
+void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args, const GroupedWeightsView& extra_w,
+                        const GroupedGemmArgs& extra_args, const TileConfig& cfg, cudaStream_t stream);
+
 // The compiled kernel's own attributes for a config (registers, static smem, max threads), from
 // cudaFuncGetAttributes; needs a GPU. Throws if cfg is not in kGemmConfigs.
 cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpilogue epilogue);

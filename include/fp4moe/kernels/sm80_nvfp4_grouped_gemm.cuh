@@ -38,6 +38,18 @@ struct GroupedGemmParams {
   const float* row_scale;       // [max_rows] or null
   __nv_bfloat16* out;           // [max_rows, n] or [max_rows, n/2]
   int num_experts;
+  // Optional second weight set of one expert run in the same launch (a shared expert: same n, k and
+  // epilogue, its own activations, rows [x_offsets[0], x_offsets[1]) and output; no row scale). It is
+  // scheduled as expert index num_experts, so its tiles balance with the routed experts' tiles.
+  const uint8_t* x_codes;
+  const uint8_t* x_scales;
+  const float* x_global_scale;     // [1]
+  const float* x_global_scale_up;  // [1] or null
+  const float* x_bias;             // [n] or null
+  const __nv_bfloat16* x_act;
+  const int32_t* x_offsets;        // [2], null when there is no second set
+  __nv_bfloat16* x_out;
+  int x_max_rows;
   int n;
   int k;
   int max_rows;
@@ -67,27 +79,37 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Row range of expert e (e == num_experts: the second weight set), clamped to the buffers.
+__device__ __forceinline__ void expert_rows(const GroupedGemmParams& p, int e, int& a, int& b) {
+  const bool x = e >= p.num_experts;
+  const int32_t* off = x ? p.x_offsets : p.offsets + e;
+  const int cap = x ? p.x_max_rows : p.max_rows;
+  a = min(max(__ldg(off), 0), cap);
+  b = min(max(__ldg(off + 1), a), cap);
+}
+
 // A work tile, decoded from its linear index with the per-expert tile prefix in shared memory.
 struct WorkTile {
-  int expert;
+  int expert;    // 0 .. num_experts-1, or num_experts for the second weight set
+  bool extra;    // the second weight set
   int ftile;     // feature tile
   int row0;      // first activation row
   int rows;      // valid rows (1..BT)
 };
 
 template <int BT>
-__device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, const int32_t* offsets, int num_experts,
-                                                int max_rows) {
+__device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, const GroupedGemmParams& p, int experts) {
   // largest e with prefix[e] <= w (prefix is non-decreasing, prefix[0] = 0)
-  int lo = 0, hi = num_experts - 1;
+  int lo = 0, hi = experts - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
     if (prefix[mid] <= w) lo = mid; else hi = mid - 1;
   }
   WorkTile t;
   t.expert = lo;
-  const int a = min(max(__ldg(offsets + lo), 0), max_rows);
-  const int b = min(max(__ldg(offsets + lo + 1), a), max_rows);
+  t.extra = lo >= p.num_experts;
+  int a, b;
+  expert_rows(p, lo, a, b);
   const int ttiles = (b - a + BT - 1) / BT;
   const int local = w - prefix[lo];
   t.ftile = local / ttiles;
@@ -119,7 +141,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int E = p.num_experts;
+  const int E = p.num_experts + (p.x_offsets != nullptr ? 1 : 0);  // + the second weight set
   const int K = p.k;
   const int m_tiles_total = p.n / 16;
   const int ftiles = (p.n + BN - 1) / BN;
@@ -127,7 +149,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
 
   // ---- scheduler: tiles per expert, exclusive prefix (warp 0; E <= 512 -> <= 16 per lane) ----
   if (warp == 0) {
-    constexpr int kPer = (kMaxExperts + 31) / 32;
+    constexpr int kPer = (kMaxExperts + 1 + 31) / 32;  // routed experts + the second weight set
     const int per = (E + 31) / 32;
     const int e0 = lane * per;
     int cnt[kPer];
@@ -137,8 +159,8 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
       cnt[i] = 0;
       const int e = e0 + i;
       if (i < per && e < E) {
-        const int a = min(max(__ldg(p.offsets + e), 0), p.max_rows);
-        const int b = min(max(__ldg(p.offsets + e + 1), a), p.max_rows);
+        int a, b;
+        expert_rows(p, e, a, b);
         cnt[i] = ((b - a + BT - 1) / BT) * ftiles;
       }
       sum += cnt[i];
@@ -211,11 +233,12 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   int ld_tile = 0, ld_kt = 0, ld_stage = 0;
   auto begin_load_tile = [&](int ti) {
     const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix,
-                                       p.offsets, E, p.max_rows);
+                                       p, E);
     const int mt0 = t.ftile * MT;
-    ld_codes = p.codes + t.expert * codes_expert_stride + static_cast<int64_t>(mt0) * (K / 64) * 512;
-    ld_scales = p.scales + t.expert * scales_expert_stride + static_cast<int64_t>(mt0) * (K / 64) * 64;
-    ld_act = reinterpret_cast<const uint8_t*>(p.act + static_cast<int64_t>(t.row0) * K);
+    ld_codes = (t.extra ? p.x_codes : p.codes + t.expert * codes_expert_stride) + static_cast<int64_t>(mt0) * (K / 64) * 512;
+    ld_scales =
+        (t.extra ? p.x_scales : p.scales + t.expert * scales_expert_stride) + static_cast<int64_t>(mt0) * (K / 64) * 64;
+    ld_act = reinterpret_cast<const uint8_t*>((t.extra ? p.x_act : p.act) + static_cast<int64_t>(t.row0) * K);
     ld_code_ok = ld_scale_ok = ld_act_ok = 0;
 #pragma unroll
     for (int i = 0; i < kCodeIters; ++i) ld_code_ok |= (mt0 + code_mt[i] < m_tiles_total) ? 1u << i : 0u;
@@ -271,7 +294,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
     cp_async_commit();
   }
 
-  WorkTile tile = decode_tile<BT>(static_cast<int>(blockIdx.x), s_prefix, p.offsets, E, p.max_rows);
+  WorkTile tile = decode_tile<BT>(static_cast<int>(blockIdx.x), s_prefix, p, E);
   int tile_idx = 0, kt = 0, stage_idx = 0;
   const int g = lane >> 2, t4 = lane & 3;
 
@@ -369,7 +392,11 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
       if constexpr (MMA == 1) wgmma_wait<0>();
       if (warp_active) {
         const int e = tile.expert;
-        const float gs = __ldg(p.global_scale + e) * layout::kAccumulatorScale;
+        const bool xs = tile.extra;
+        const float gs = __ldg(xs ? p.x_global_scale : p.global_scale + e) * layout::kAccumulatorScale;
+        const float* bias = xs ? p.x_bias : (p.bias != nullptr ? p.bias + static_cast<int64_t>(e) * p.n : nullptr);
+        const float* row_scale = xs ? nullptr : p.row_scale;
+        __nv_bfloat16* out = xs ? p.x_out : p.out;
 #pragma unroll
         for (int i = 0; i < WM; ++i) {
           const int mt = tile.ftile * MT + warp * WM + i;
@@ -377,9 +404,9 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
             if constexpr (EPI == kEpiPlain) {
               const int f = mt * 16 + 2 * g;  // features f, f+1 held in acc[..][0|1] and [2|3]
               float b0 = 0.f, b1 = 0.f;
-              if (p.bias != nullptr) {
-                b0 = __ldg(p.bias + static_cast<int64_t>(e) * p.n + f);
-                b1 = __ldg(p.bias + static_cast<int64_t>(e) * p.n + f + 1);
+              if (bias != nullptr) {
+                b0 = __ldg(bias + f);
+                b1 = __ldg(bias + f + 1);
               }
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
@@ -389,24 +416,24 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
                     const int r = nt * 8 + 2 * t4 + h;
                     if (r < tile.rows) {
                       const int row = tile.row0 + r;
-                      const float rs = p.row_scale != nullptr ? __ldg(p.row_scale + row) : 1.0f;
+                      const float rs = row_scale != nullptr ? __ldg(row_scale + row) : 1.0f;
                       const float v0 = (acc[i][nt][h] * gs + b0) * rs;
                       const float v1 = (acc[i][nt][2 + h] * gs + b1) * rs;
-                      *reinterpret_cast<__nv_bfloat162*>(p.out + static_cast<int64_t>(row) * p.n + f) =
+                      *reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * p.n + f) =
                           __floats2bfloat162_rn(v0, v1);
                     }
                   }
                 }
               }
             } else {
-              const float gs_up =
-                  p.global_scale_up != nullptr ? __ldg(p.global_scale_up + e) * layout::kAccumulatorScale : gs;
+              const float* gup = xs ? p.x_global_scale_up : (p.global_scale_up != nullptr ? p.global_scale_up + e : nullptr);
+              const float gs_up = gup != nullptr ? __ldg(gup) * layout::kAccumulatorScale : gs;
               const int jn = mt * 8 + g;  // output column (gate row jn, up row n/2 + jn)
               const int half = p.n / 2;
               float bg = 0.f, bu = 0.f;
-              if (p.bias != nullptr) {
-                bg = __ldg(p.bias + static_cast<int64_t>(e) * p.n + jn);
-                bu = __ldg(p.bias + static_cast<int64_t>(e) * p.n + half + jn);
+              if (bias != nullptr) {
+                bg = __ldg(bias + jn);
+                bu = __ldg(bias + half + jn);
               }
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
@@ -426,7 +453,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
                         up = fminf(fmaxf(up, -p.limit), p.limit);
                         v = (up + 1.0f) * gate / (1.0f + expf(-p.alpha * gate));
                       }
-                      p.out[static_cast<int64_t>(row) * half + jn] = __float2bfloat16_rn(v);
+                      out[static_cast<int64_t>(row) * half + jn] = __float2bfloat16_rn(v);
                     }
                   }
                 }
@@ -442,8 +469,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
       if (++tile_idx < my_tiles)
-        tile = decode_tile<BT>(static_cast<int>(blockIdx.x) + tile_idx * static_cast<int>(gridDim.x), s_prefix,
-                               p.offsets, E, p.max_rows);
+        tile = decode_tile<BT>(static_cast<int>(blockIdx.x) + tile_idx * static_cast<int>(gridDim.x), s_prefix, p, E);
     }
   }
   cp_async_wait<0>();
