@@ -150,6 +150,8 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
   FP4MOE_CUDA_CHECK(cudaGetDevice(&dev));
   FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
 
+  const GemmEpilogue epi1 =
+      cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
   Fp4Weights w1 = make_fp4_weights(E, 2 * I, H, true, opt.seed, stream);
   Fp4Weights w2 = make_fp4_weights(E, H, I, false, opt.seed + 7, stream);
   DeviceBuffer<__nv_bfloat16> x1(max_rows * H), act(max_rows * I), y2(max_rows * H);
@@ -183,24 +185,34 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
     const double rows = static_cast<double>(T * cfg.top_k);
     r.weight_bytes = r.active_experts * double(3 * H * I) * (0.5 + 1.0 / 16.0);
     r.flops = 2.0 * rows * double(3 * H * I);
-    const double rpe = rows / std::max(1, r.active_experts);
-    (void)rpe;
-    const TuneProblem p1{E, cfg.top_k, 2 * I, H, GemmEpilogue::kSwiGLU}, p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
-    r.cfg1 = opt.force1 ? *opt.force1 : *choose_config(p1, T, sms).config;
-    r.cfg2 = opt.force2 ? *opt.force2 : *choose_config(p2, T, sms).config;
+    const TuneProblem p1{E, cfg.top_k, 2 * I, H, epi1}, p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
+    const TuneLookup l1 = choose_config(p1, T, sms), l2 = choose_config(p2, T, sms);
+    r.tuned = l1.source != "heuristic" && l2.source != "heuristic";
+    r.cfg1 = opt.force1 ? *opt.force1 : *l1.config;
+    r.cfg2 = opt.force2 ? *opt.force2 : *l2.config;
 
     GroupedGemmArgs a1, a2;
     a1.act = x1.get(); a1.expert_offsets = d_off.get(); a1.max_rows = T * cfg.top_k; a1.out = act.get();
-    a1.epilogue = GemmEpilogue::kSwiGLU;
+    a1.epilogue = epi1;
     a2.act = act.get(); a2.expert_offsets = d_off.get(); a2.max_rows = T * cfg.top_k; a2.out = y2.get();
     a2.row_scale = row_scale.get(); a2.epilogue = GemmEpilogue::kPlain;
-    auto fp4 = [&](cudaStream_t s) {
-      grouped_gemm_nvfp4(w1.view, a1, r.cfg1, s);
-      grouped_gemm_nvfp4(w2.view, a2, r.cfg2, s);
+    auto time_pair = [&](const TileConfig& c1, const TileConfig& c2) {
+      auto fp4 = [&](cudaStream_t s) {
+        grouped_gemm_nvfp4(w1.view, a1, c1, s);
+        grouped_gemm_nvfp4(w2.view, a2, c2, s);
+      };
+      fp4(stream);
+      FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return time_graph_us(fp4, stream, opt.reps);
     };
-    fp4(stream);
-    FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-    r.fp4_us = time_graph_us(fp4, stream, opt.reps);
+    r.fp4_us = time_pair(r.cfg1, r.cfg2);
+    if (opt.compare_heuristic) {
+      // the pick without a tuner table: rows per expert as the heuristic sees them (T * k / E)
+      const double rpe_h = rows / E;
+      r.hcfg1 = heuristic_tile_config(2 * I, H, rpe_h, sms);
+      r.hcfg2 = heuristic_tile_config(H, I, rpe_h, sms);
+      r.heuristic_us = (r.hcfg1 == r.cfg1 && r.hcfg2 == r.cfg2) ? r.fp4_us : time_pair(r.hcfg1, r.hcfg2);
+    }
 
     if (opt.baseline) {
       auto bf16 = [&](cudaStream_t s) {

@@ -23,7 +23,10 @@ struct GemmBenchRow {
   double flops = 0;         // useful: 2 * rows * (N1*K1 + N2*K2)
   double fp4_us = 0;
   double bf16_us = 0;       // 0 when the baseline was not run
-  TileConfig cfg1, cfg2;
+  TileConfig cfg1, cfg2;    // the configs timed as fp4_us (tuner cache, else heuristic)
+  bool tuned = false;       // cfg1/cfg2 came from the tuner cache
+  double heuristic_us = 0;  // with heuristic_tile_config's picks (compare_heuristic), 0 otherwise
+  TileConfig hcfg1, hcfg2;
 };
 
 struct GemmBenchOptions {
@@ -32,6 +35,7 @@ struct GemmBenchOptions {
   int reps = 20;
   uint64_t seed = 1;
   std::optional<TileConfig> force1, force2;  // otherwise heuristic / tuned
+  bool compare_heuristic = false;             // also time heuristic_tile_config's picks
 };
 
 std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOptions& opt, cudaStream_t stream);

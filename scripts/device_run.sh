@@ -20,7 +20,7 @@ for s in "${steps[@]}"; do
       timeout ${TEST_TIMEOUT:-300} "$B/fp4moe_gpu_tests" --gtest_brief=1 ${GTEST_FILTER:+--gtest_filter=$GTEST_FILTER} > "$OUT/gpu_tests.log" 2>&1
       echo "gpu tests rc=$?"; grep -E "FAILED|PASSED|SKIPPED|Failure|Expected|Which is|error" "$OUT/gpu_tests.log" | head -60 ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-400} "$B/fp4moe" bench --model "${FP4MOE_MODEL:-glm-5}" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" ;;
+      timeout ${BENCH_TIMEOUT:-400} "$B/fp4moe" bench --model "${FP4MOE_MODEL:-glm-5}" --json "$OUT/bench${BENCH_TAG:-}.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench${BENCH_TAG:-}.txt" ;;
     tune)
       timeout ${TUNE_TIMEOUT:-300} "$B/fp4moe" tune --model "${FP4MOE_MODEL:-glm-5}" --quiet \
         --buckets "${TUNE_BUCKETS:-1,8,32,128,512,1024,4096,16384}" --out "$OUT/tune-${FP4MOE_MODEL:-glm-5}.json" 2>&1 | tail -40 ;;

@@ -10,7 +10,7 @@
 #include "fp4moe/grouped_gemm.hpp"
 #include "fp4moe/kernels/moe_combine.cuh"
 #include "fp4moe/kernels/moe_permute.cuh"
-#include "fp4moe/kernels/moe_permute_gather.hpp"
+#include "fp4moe/moe_layer.hpp"
 #include "fp4moe/kernels/routing_topk.cuh"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/tuner.hpp"

@@ -22,6 +22,7 @@ struct BenchArgs {
   std::vector<int64_t> tokens;
   bool no_baseline = false;
   bool breakdown = false;
+  bool compare_heuristic = false;
   int reps = 20;
   std::string json;
   std::string tile1, tile2;
@@ -49,6 +50,7 @@ void run_gemm_mode(const BenchArgs& a, const MoeConfig& cfg, const bench::Ceilin
   o.reps = a.reps;
   if (!a.tile1.empty()) o.force1 = parse_tile(a.tile1);
   if (!a.tile2.empty()) o.force2 = parse_tile(a.tile2);
+  o.compare_heuristic = a.compare_heuristic;
   const auto rows = bench::run_gemm_bench(cfg, o, s);
   std::printf("\n%s expert GEMMs (GEMM1 N=%lld K=%lld SwiGLU + GEMM2 N=%lld K=%lld), NVFP4 weights, bf16 activations\n",
               cfg.name.c_str(), (long long)cfg.gemm1_n(), (long long)cfg.gemm1_k(), (long long)cfg.gemm2_n(),
@@ -76,7 +78,20 @@ void run_gemm_mode(const BenchArgs& a, const MoeConfig& cfg, const bench::Ceilin
                            {"speedup_vs_bf16", r.bf16_us > 0 ? r.bf16_us / r.fp4_us : 0.0},
                            {"time_over_weight_floor", r.fp4_us / floor_us},
                            {"config_gemm1", r.cfg1.name()},
-                           {"config_gemm2", r.cfg2.name()}});
+                           {"config_gemm2", r.cfg2.name()},
+                           {"configs_from", r.tuned ? "tuner cache" : "heuristic"},
+                           {"heuristic_us", r.heuristic_us},
+                           {"heuristic_config_gemm1", r.heuristic_us > 0 ? r.hcfg1.name() : ""},
+                           {"heuristic_config_gemm2", r.heuristic_us > 0 ? r.hcfg2.name() : ""},
+                           {"tuned_speedup_over_heuristic", r.heuristic_us > 0 ? r.heuristic_us / r.fp4_us : 0.0}});
+  }
+  if (a.compare_heuristic) {
+    std::printf("\ntuned vs heuristic configs (%s)\n%7s %12s %12s %8s  %s\n", cfg.name.c_str(), "tokens", "picked us",
+                "heuristic us", "gain", "heuristic configs (GEMM1 | GEMM2)");
+    for (const auto& r : rows)
+      std::printf("%7lld %12.1f %12.1f %7.2fx  %s | %s%s\n", (long long)r.tokens, r.fp4_us, r.heuristic_us,
+                  r.heuristic_us / r.fp4_us, r.hcfg1.name().c_str(), r.hcfg2.name().c_str(),
+                  r.tuned ? "" : "  (no tuner table matched: picked = heuristic)");
   }
 }
 
@@ -96,6 +111,8 @@ void register_bench(CLI::App& app) {
   sub->add_option("--json", args->json, "also write the results as JSON to this file");
   sub->add_option("--tile1", args->tile1, "gemm mode: force GEMM1's config BNxBTxBKxSTAGESxWARPS");
   sub->add_option("--tile2", args->tile2, "gemm mode: force GEMM2's config");
+  sub->add_flag("--compare-heuristic", args->compare_heuristic,
+                "gemm mode: also time the heuristic's configs and show the tuner's gain");
   sub->callback([args] {
     FP4MOE_REQUIRE(gpu_available(), "bench needs a CUDA GPU and none was found (try `fp4moe run` for the CPU reference)");
     const MoeConfig& cfg = preset(args->model);

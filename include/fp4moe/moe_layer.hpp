@@ -118,6 +118,25 @@ void moe_route(const MoeConfig& cfg, const float* logits, const float* router_bi
 void moe_permute(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids, const float* topk_weights,
                  int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of, float* row_scale,
                  int32_t* shared_offsets, cudaStream_t stream);
+// Permutation and gather in one call (MoeLayer::forward uses this):
+// tokens * top_k up to this takes the one-launch permutation (kernels::kSmallPermuteMaxEntries).
+inline constexpr int kMoeSmallPermuteMaxEntries = 4096;
+
+// Which permutation kernels run. kAuto: kSmall when tokens * top_k <= kSmallPermuteMaxEntries (4096,
+// kernels/moe_permute.cuh), else kChunked. Both give bit-identical outputs; forcing one is for tests.
+enum class PermutePath { kAuto, kSmall, kChunked };
+
+// moe_permute and, when hidden is non-null, moe_gather into `sorted` as well:
+//   kSmall:   ONE launch (count + scan + scatter + gather, moe_permute_small_kernel);
+//   kChunked: count, scan, scatter, gather (four launches; chunk_counts is their scratch).
+// hidden / sorted: bf16 [T, H] / [T * k, H], 16-byte aligned, H % 8 == 0; both null for permute only.
+void moe_permute_gather(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids,
+                        const float* topk_weights, int32_t* chunk_counts, int32_t* expert_offsets,
+                        int32_t* row_of, float* row_scale, int32_t* shared_offsets, const void* hidden,
+                        int64_t hidden_size, void* sorted, cudaStream_t stream,
+                        PermutePath path = PermutePath::kAuto);
+
+
 // sorted[row_of[t, s], :] = hidden[t, :] (bf16, H % 8 == 0, 16-byte aligned).
 void moe_gather(const void* hidden, int64_t tokens, int64_t hidden_size, const int32_t* row_of, int top_k,
                 void* sorted, cudaStream_t stream);

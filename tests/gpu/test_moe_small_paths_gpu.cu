@@ -1,4 +1,4 @@
-// The small-T fast paths of the MoE stages (moe_permute_gather.hpp, moe_layer.hpp):
+// The small-T fast paths of the MoE stages (moe_layer.hpp):
 //   - the one-launch permutation + gather (PermutePath::kSmall) and the chunked multi-kernel path give
 //     identical expert_offsets, row_of, row_scale, shared offsets and sorted rows for the same ids, at
 //     T * k on both sides of the switch (kSmallPermuteMaxEntries) and for k = 1 .. 16, E up to 512,
@@ -20,7 +20,7 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/format_math.hpp"
-#include "fp4moe/kernels/moe_permute_gather.hpp"
+#include "fp4moe/moe_layer.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
 

@@ -22,7 +22,7 @@
 
 #include <cuda_runtime.h>
 
-#include "fp4moe/kernels/moe_permute_gather.hpp"
+#include "fp4moe/moe_layer.hpp"
 #include "fp4moe/tile_config.hpp"
 
 namespace fp4moe::kernels {
