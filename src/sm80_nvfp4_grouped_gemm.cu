@@ -13,7 +13,8 @@
 namespace fp4moe {
 
 std::string TileConfig::name() const {
-  return fmt::format("bn{}_bt{}_bk{}_s{}_w{}{}", bn, bt, bk, stages, warps, mma == 1 ? "_wgmma" : "");
+  return fmt::format("bn{}_bt{}_bk{}_s{}_w{}{}{}", bn, bt, bk, stages, warps, mma == 1 ? "_wgmma" : "",
+                     ctas > 0 ? fmt::format("_c{}", ctas) : "");
 }
 
 namespace {

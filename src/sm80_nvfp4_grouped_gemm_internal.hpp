@@ -15,7 +15,7 @@ template <int EPI, size_t... I>
 constexpr std::array<GemmKernelFn, sizeof...(I)> make_gemm_kernel_table(std::index_sequence<I...>) {
   return {&kernels::sm80_nvfp4_grouped_gemm_kernel<kGemmConfigs[I].bn, kGemmConfigs[I].bt, kGemmConfigs[I].bk,
                                                    kGemmConfigs[I].stages, kGemmConfigs[I].warps,
-                                                   kGemmConfigs[I].mma, EPI>...};
+                                                   kGemmConfigs[I].mma, kGemmConfigs[I].ctas, EPI>...};
 }
 
 const std::array<GemmKernelFn, kNumGemmConfigs>& gemm_kernels_plain();

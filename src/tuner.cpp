@@ -52,7 +52,7 @@ TuneKey current_tune_key(int device) {
 }
 
 nlohmann::json tile_config_to_json(const TileConfig& c) {
-  return {{"bn", c.bn}, {"bt", c.bt}, {"bk", c.bk}, {"stages", c.stages}, {"warps", c.warps}, {"mma", c.mma}};
+  return {{"bn", c.bn}, {"bt", c.bt}, {"bk", c.bk}, {"stages", c.stages}, {"warps", c.warps}, {"mma", c.mma}, {"ctas", c.ctas}};
 }
 
 TileConfig tile_config_from_json(const nlohmann::json& j) {
@@ -63,6 +63,7 @@ TileConfig tile_config_from_json(const nlohmann::json& j) {
   c.stages = j.at("stages").get<int>();
   c.warps = j.at("warps").get<int>();
   c.mma = j.value("mma", 0);
+  c.ctas = j.value("ctas", 0);
   return c;
 }
 

@@ -18,11 +18,12 @@ struct TileConfig {
   int stages = 4;   // cp.async pipeline depth
   int warps = 8;    // math warps; warp w owns m16 tiles [w*wm, (w+1)*wm) of the feature tile
   int mma = 0;      // 0: mma.sync.m16n8k16 per warp (sm_80+); 1: wgmma m64nBTk16 per warpgroup (sm_90a)
+  int ctas = 0;     // CTAs per SM the kernel is compiled for (__launch_bounds__ minimum); 0: the default rule
 
   constexpr int wm() const { return bn / (16 * warps); }
   constexpr int threads() const { return warps * 32; }
   constexpr bool operator==(const TileConfig&) const = default;
-  std::string name() const;  // "bn128_bt64_bk128_s4_w8" (+ "_wgmma")
+  std::string name() const;  // "bn128_bt64_bk128_s4_w8" (+ "_wgmma", + "_c3")
 };
 
 // Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:
@@ -63,13 +64,16 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
 // The kernel's __launch_bounds__ minimum CTAs per SM: two while the accumulators are small (decode: one
 // CTA's pipeline bubble at a tile boundary is covered by the other's loads), else one CTA with up to
 // 255 registers (prefill tiles). The planner uses the same function for its register cap.
-constexpr int gemm_min_ctas_per_sm(const TileConfig& c) { return c.wm() * (c.bt / 8) * 4 > 48 ? 1 : 2; }
+constexpr int gemm_min_ctas_per_sm(const TileConfig& c) {
+  return c.ctas > 0 ? c.ctas : (c.wm() * (c.bt / 8) * 4 > 48 ? 1 : 2);
+}
 
 // Static validity (what types decide). Runtime validity against a GPU (smem, registers) is the
 // planner's job (planner.hpp).
 constexpr bool tile_config_well_formed(const TileConfig& c) {
   const bool common = c.warps > 0 && c.bn > 0 && c.bn % (16 * c.warps) == 0 && c.wm() >= 1 && c.wm() <= 2 &&
-                      c.bt % 16 == 0 && c.bt >= 16 && c.bk % 64 == 0 && c.bk >= 64 && c.stages >= 2;
+                      c.bt % 16 == 0 && c.bt >= 16 && c.bk % 64 == 0 && c.bk >= 64 && c.stages >= 2 &&
+                      c.ctas >= 0 && c.ctas <= 4;
   if (c.mma == 0) return common && c.bt <= 128;
   // wgmma: one warpgroup per 64 features (wm = 1), token tile = the instruction's N
   return c.mma == 1 && common && c.stages >= 3 && c.wm() == 1 && c.warps % 4 == 0 &&
@@ -86,6 +90,9 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {128, 64, 128, 4, 8},
     {64, 16, 128, 8, 4},
     {128, 32, 64, 8, 8},   // K not a multiple of 128 (gpt-oss: 2880)
+    // T = 1 .. 8: few experts, few tiles: three CTAs per SM (<= 85 registers, 54 KB) so that one
+    // expert's 32 feature tiles of GEMM1 plus the shared expert's fit one round of CTAs
+    {128, 16, 128, 4, 8, 0, 3},
     // decode with 256-wide K stages: half the barriers and loader work per weight byte
     {128, 16, 256, 4, 8},
     {128, 32, 256, 3, 8},

@@ -119,10 +119,10 @@ __device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, co
   return t;
 }
 
-template <int BN, int BT, int BK, int STAGES, int WARPS, int MMA, int EPI>
-__global__ void __launch_bounds__(WARPS * 32, gemm_min_ctas_per_sm(TileConfig{BN, BT, BK, STAGES, WARPS, MMA}))
+template <int BN, int BT, int BK, int STAGES, int WARPS, int MMA, int CTAS, int EPI>
+__global__ void __launch_bounds__(WARPS * 32, gemm_min_ctas_per_sm(TileConfig{BN, BT, BK, STAGES, WARPS, MMA, CTAS}))
 sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
-  constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS, MMA};
+  constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS, MMA, CTAS};
   static_assert(tile_config_well_formed(kCfg), "tile config is malformed: see tile_config_well_formed()");
   constexpr GemmSmemLayout kL = gemm_smem_layout(kCfg);
   constexpr int kThreads = WARPS * 32;
