@@ -20,22 +20,6 @@ namespace fp4moe {
 static_assert(kernels::kPermuteChunk == kMoePermuteChunk,
               "the workspace layout (moe_layer_plan.cpp) sizes the chunk counts with kMoePermuteChunk");
 
-// ---- OwnedDeviceBuffer ----
-OwnedDeviceBuffer::OwnedDeviceBuffer(size_t bytes) : bytes_(bytes) {
-  if (bytes > 0) FP4MOE_CUDA_CHECK(cudaMalloc(&ptr_, bytes));
-}
-OwnedDeviceBuffer::~OwnedDeviceBuffer() {
-  if (ptr_ != nullptr) cudaFree(ptr_);  // no throw from a destructor; a failure here is not actionable
-}
-OwnedDeviceBuffer& OwnedDeviceBuffer::operator=(OwnedDeviceBuffer&& o) noexcept {
-  if (this != &o) {
-    if (ptr_ != nullptr) cudaFree(ptr_);
-    ptr_ = std::exchange(o.ptr_, nullptr);
-    bytes_ = std::exchange(o.bytes_, 0);
-  }
-  return *this;
-}
-
 namespace {
 
 // cuBLAS's recommended user workspace on Hopper. Given explicitly so that the router GEMM allocates

@@ -32,6 +32,10 @@ class DeviceBuffer {
   }
 
   T* get() const { return ptr_; }
+  template <class U>
+  U* as() const {
+    return reinterpret_cast<U*>(ptr_);
+  }
   size_t size() const { return count_; }
   size_t bytes() const { return count_ * sizeof(T); }
 

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "fp4moe/config.hpp"
+#include "fp4moe/device_buffer.hpp"
 #include "fp4moe/tile_config.hpp"
 
 namespace fp4moe {
@@ -183,27 +184,8 @@ class MoeLayer {
 // ---- Synthetic layers generated on the device (benchmarks, large tests) ----
 // The recipe of make_synthetic_expert / make_synthetic_router_bias (reference.hpp), bit for bit, for
 // every expert at once, with no host round trip.
-class OwnedDeviceBuffer {
- public:
-  OwnedDeviceBuffer() = default;
-  explicit OwnedDeviceBuffer(size_t bytes);
-  ~OwnedDeviceBuffer();
-  OwnedDeviceBuffer(OwnedDeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
-    o.ptr_ = nullptr;
-    o.bytes_ = 0;
-  }
-  OwnedDeviceBuffer& operator=(OwnedDeviceBuffer&& o) noexcept;
-  OwnedDeviceBuffer(const OwnedDeviceBuffer&) = delete;
-  OwnedDeviceBuffer& operator=(const OwnedDeviceBuffer&) = delete;
-  void* get() const { return ptr_; }
-  template <class T>
-  T* as() const { return static_cast<T*>(ptr_); }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
+// A byte buffer in device memory (the library's one owning device allocation, device_buffer.hpp).
+using OwnedDeviceBuffer = DeviceBuffer<uint8_t>;
 
 struct SyntheticDeviceLayer {
   MoeConfig cfg;

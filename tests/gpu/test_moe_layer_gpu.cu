@@ -26,27 +26,17 @@
 #include "fp4moe/format_math.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
+#include "gpu_test_util.hpp"
 
 namespace fp4moe {
 namespace {
 
 constexpr double kRelL2Bound = 5e-3;
 
-#define FP4MOE_SKIP_WITHOUT_GPU() \
-  if (!fp4moe::gpu_available()) GTEST_SKIP() << "no CUDA GPU"
 
-template <class T>
-OwnedDeviceBuffer upload(const std::vector<T>& v) {
-  OwnedDeviceBuffer b(std::max<size_t>(v.size() * sizeof(T), 16));
-  if (!v.empty()) FP4MOE_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return b;
-}
-template <class T>
-std::vector<T> download(const void* p, size_t n) {
-  std::vector<T> v(n);
-  if (n > 0) FP4MOE_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return v;
-}
+using test::download;
+using test::Stream;
+using test::upload;
 std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
   std::vector<uint16_t> b(x.size());
   for (size_t i = 0; i < x.size(); ++i) b[i] = float_to_bf16_bits(x[i]);
@@ -67,11 +57,6 @@ double rel_l2(const std::vector<float>& a, const std::vector<float>& ref) {
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(s); }
-};
 
 // ---- configs ----
 MoeConfig small_softmax(bool renormalize, int E, int k) {
@@ -738,7 +723,7 @@ TEST(MoeLayerGpu, ForwardRejectsBadArguments) {
   MoeLayer layer(cfg, L.w, 16, st.s);
   OwnedDeviceBuffer ws(layer.workspace_bytes()), out(17 * cfg.hidden * 2), dh(17 * cfg.hidden * 2),
       dl(17 * cfg.num_experts * 4);
-  char* h = static_cast<char*>(dh.get());
+  char* h = dh.as<char>();
   const float* l = dl.as<float>();
   EXPECT_THROW(layer.forward(st.s, h, 0, l, out.get(), ws.get(), ws.bytes()), Error);
   EXPECT_THROW(layer.forward(st.s, h, 17, l, out.get(), ws.get(), ws.bytes()), Error);
@@ -747,7 +732,7 @@ TEST(MoeLayerGpu, ForwardRejectsBadArguments) {
   EXPECT_THROW(layer.forward(st.s, h, 4, l, nullptr, ws.get(), ws.bytes()), Error);
   EXPECT_THROW(layer.forward(st.s, h, 4, nullptr, out.get(), ws.get(), ws.bytes()), Error);  // no router weight
   EXPECT_THROW(layer.forward(st.s, h, 4, l, out.get(), ws.get(), ws.bytes() - 1), Error);
-  EXPECT_THROW(layer.forward(st.s, h, 4, l, out.get(), static_cast<char*>(ws.get()) + 8, ws.bytes()), Error);
+  EXPECT_THROW(layer.forward(st.s, h, 4, l, out.get(), ws.as<char>() + 8, ws.bytes()), Error);
   EXPECT_NO_THROW(layer.forward(st.s, h, 16, l, out.get(), ws.get(), ws.bytes()));
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
   // Move-only ownership: the moved-to layer still runs.

@@ -23,33 +23,18 @@
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
+#include "gpu_test_util.hpp"
 
 namespace fp4moe {
 namespace {
 
-#define FP4MOE_SKIP_WITHOUT_GPU() \
-  if (!fp4moe::gpu_available()) GTEST_SKIP() << "no CUDA GPU"
 
 constexpr int64_t kSwitch = kMoeSmallPermuteMaxEntries;
 
-template <class T>
-OwnedDeviceBuffer upload(const std::vector<T>& v) {
-  OwnedDeviceBuffer b(std::max<size_t>(v.size() * sizeof(T), 16));
-  if (!v.empty()) FP4MOE_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return b;
-}
-template <class T>
-std::vector<T> download(const void* p, size_t n) {
-  std::vector<T> v(n);
-  if (n > 0) FP4MOE_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-  return v;
-}
+using test::download;
+using test::Stream;
+using test::upload;
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-  ~Stream() { cudaStreamDestroy(s); }
-};
 
 struct PermuteOut {
   std::vector<int32_t> offsets, row_of, shared;
