@@ -122,25 +122,6 @@ void record_bf16_expert_gemms(cublasHandle_t h, const Bf16Experts& w, const std:
   }
 }
 
-double time_grouped_gemm_us(int experts, int64_t n, int64_t k, const std::vector<int32_t>& counts, bool swiglu,
-                            const TileConfig& cfg, cudaStream_t stream, int reps) {
-  Fp4Weights w = make_fp4_weights(experts, n, k, swiglu, 17, stream);
-  const auto off = offsets_of(counts);
-  const int64_t rows = std::max<int32_t>(off.back(), 1);
-  DeviceBuffer<int32_t> d_off(off);
-  DeviceBuffer<__nv_bfloat16> x(rows * k), y(rows * n);
-  fill_random_bf16(x.get(), x.size(), 1.0f, 5, stream);
-  GroupedGemmArgs a;
-  a.act = x.get();
-  a.expert_offsets = d_off.get();
-  a.max_rows = rows;
-  a.out = y.get();
-  a.epilogue = swiglu ? GemmEpilogue::kSwiGLU : GemmEpilogue::kPlain;
-  grouped_gemm_nvfp4(w.view, a, cfg, stream);  // launch attributes set up outside the capture
-  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return time_graph_us([&](cudaStream_t s) { grouped_gemm_nvfp4(w.view, a, cfg, s); }, stream, reps);
-}
-
 std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOptions& opt, cudaStream_t stream) {
   const int E = cfg.num_experts;
   const int64_t H = cfg.hidden, I = cfg.intermediate;

@@ -56,8 +56,4 @@ std::unique_ptr<Bf16Experts> make_bf16_experts(int experts, int64_t hidden, int6
 void record_bf16_expert_gemms(cublasHandle_t h, const Bf16Experts& w, const std::vector<int32_t>& offsets,
                               const void* x, void* y1, void* act, void* y2, const float* row_scale, cudaStream_t s);
 
-// Time one grouped GEMM with a given config on random data (the tuner's measurement).
-double time_grouped_gemm_us(int experts, int64_t n, int64_t k, const std::vector<int32_t>& counts, bool swiglu,
-                            const TileConfig& cfg, cudaStream_t stream, int reps = 10);
-
 }  // namespace fp4moe::bench
