@@ -4,11 +4,15 @@
 // Design (../shared/notes/sm90-kernel-design.md):
 // - Swap AB: weights are mma's A operand (features = M, 16 per m-tile), activations are B (tokens = N,
 //   8 per n-tile), so a decode-sized expert (a few tokens) costs a few narrow n-tiles, not a padded
-//   64-row tile. mma.sync.m16n8k16 runs on sm_80 and newer (the Hopper path until a wgmma variant).
+//   64-row tile. MMA = 0 configs use mma.sync.m16n8k16 (sm_80 and newer: the decode tiles); MMA = 1
+//   configs ("_wgmma", sm_90a only) issue wgmma m64nBTk16 per warpgroup with the same per-warp A
+//   fragments, reading B from the same shared-memory layout (the prefill tiles). The family keeps its
+//   sm80 name because its base requirement is sm_80; the launcher refuses wgmma configs elsewhere.
 // - Weights are dequantized in registers exactly to bf16 (nvfp4_dequant.cuh); the FP32 global scale is
 //   applied in the epilogue.
 // - Persistent CTAs walk a list of work tiles (expert, feature tile, token tile) computed on the device
-//   from the expert offsets, so empty experts cost nothing and no host synchronization is needed.
+//   from the expert offsets, so empty experts cost nothing and no host synchronization is needed. An
+//   optional second weight set (a shared expert) is scheduled as one more expert in the same list.
 //   Consecutive tiles of a CTA-wave are the token tiles, then feature tiles, of one expert: CTAs that
 //   run together share weights (token tiles) or activations (feature tiles) through L2.
 // - One cp.async pipeline runs across tile boundaries (iteration = (tile, k-step)), so the next tile's
