@@ -299,10 +299,18 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   }
 
   WorkTile tile = decode_tile<BT>(static_cast<int>(blockIdx.x), s_prefix, p, E);
-  int tile_idx = 0, kt = 0, stage_idx = 0;
+  int stage_idx = 0;
   const int g = lane >> 2, t4 = lane & 3;
 
-  for (int it = 0; it < total_iters; ++it) {
+  int it = 0;
+  for (int tile_idx = 0; tile_idx < my_tiles; ++tile_idx) {
+    if (tile_idx > 0)
+      tile = decode_tile<BT>(static_cast<int>(blockIdx.x) + tile_idx * static_cast<int>(gridDim.x), s_prefix, p, E);
+    const bool warp_active = (tile.ftile * MT + warp * WM) < m_tiles_total;
+    const int valid_nt = (tile.rows + 7) >> 3;
+    // The k-loop holds no epilogue: with a read of the accumulators inside it, ptxas drained every
+    // in-flight wgmma at each stage (an injected warpgroup wait before the loop's back edge).
+    for (int kt = 0; kt < KT; ++kt, ++it) {
     cp_async_wait<kAhead - 1>();
     // landed cp.async data (generic proxy) must be visible to wgmma (async proxy)
     if constexpr (MMA == 1) fence_proxy_async_smem();
@@ -310,12 +318,10 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
     if (it + kAhead < total_iters) issue_load();
     cp_async_commit();
 
-    const int valid_nt = (tile.rows + 7) >> 3;
     const uint8_t* stage = smem + stage_idx * kL.stage_bytes;
     const uint8_t* st_codes = stage + kL.codes_offset;
     const uint8_t* st_scales = stage + kL.scales_offset;
     const uint32_t st_act = smem_u32(stage);
-    const bool warp_active = (tile.ftile * MT + warp * WM) < m_tiles_total;
 
     if constexpr (MMA == 1) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -331,7 +337,9 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int q = c * 4 + j;
-          if (q >= 2) wgmma_wait<1>();
+          // retire the wgmma that read abuf[q & 1] two steps ago, also across stages (keeping the
+          // previous one in flight); without it ptxas drains everything at the loop's back edge
+          wgmma_wait<1>();
           const uint32_t w = j == 0 ? words.x : j == 1 ? words.y : j == 2 ? words.z : words.w;
           const uint32_t sw = j < 2 ? sc.x : sc.y;
           dequant_fragment(w, decode_scale_pair(__byte_perm(sw, 0u, (j & 1) ? 0x4342u : 0x4140u)), abuf[q & 1]);
@@ -390,9 +398,9 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
     }
 
     if (++stage_idx == STAGES) stage_idx = 0;
-    // ---- epilogue at the last k-step of a tile: registers -> global, then reset ----
-    if (++kt == KT) {
-      kt = 0;
+    }
+    // ---- epilogue: registers -> global, then reset ----
+    {
       if constexpr (MMA == 1) wgmma_wait<0>();
       if (warp_active) {
         const int e = tile.expert;
@@ -472,8 +480,6 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
-      if (++tile_idx < my_tiles)
-        tile = decode_tile<BT>(static_cast<int>(blockIdx.x) + tile_idx * static_cast<int>(gridDim.x), s_prefix, p, E);
     }
   }
   cp_async_wait<0>();
