@@ -7,6 +7,7 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/device_buffer.hpp"
+#include "fp4moe/format_math.hpp"
 
 // Without a GPU the test is reported as skipped (ctest's SKIP_REGULAR_EXPRESSION), never as passed.
 #define FP4MOE_SKIP_WITHOUT_GPU() \
@@ -35,5 +36,21 @@ struct Stream {
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
 };
+
+// The combine's definition on the host: out[t, h] = bf16(sum over slots s < k, in order, of
+// y[row_of[t * k + s], h] in fp32, then + shared[t, h] when shared is non-empty).
+inline std::vector<uint16_t> combine_reference(const std::vector<uint16_t>& y, const std::vector<uint16_t>& shared,
+                                               const std::vector<int32_t>& row_of, int64_t tokens, int k,
+                                               int64_t hidden) {
+  std::vector<uint16_t> out(static_cast<size_t>(tokens * hidden));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < hidden; ++h) {
+      float acc = 0.0f;
+      for (int s = 0; s < k; ++s) acc += bf16_bits_to_float(y[row_of[t * k + s] * hidden + h]);
+      if (!shared.empty()) acc += bf16_bits_to_float(shared[t * hidden + h]);
+      out[t * hidden + h] = float_to_bf16_bits(acc);
+    }
+  return out;
+}
 
 }  // namespace fp4moe::test

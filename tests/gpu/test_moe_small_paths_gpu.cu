@@ -166,13 +166,9 @@ TEST(MoeSmallPathsGpu, CombineEveryTopKAndWideRows) {
           moe_combine(d_y.get(), with_shared ? d_s.get() : nullptr, d_row.as<int32_t>(), k, T, H, d_out.get(), st.s);
           FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
           const std::vector<uint16_t> out = download<uint16_t>(d_out.get(), T * H);
-          for (int64_t t = 0; t < T; ++t)
-            for (int64_t h = 0; h < H; ++h) {
-              float acc = 0.0f;
-              for (int s = 0; s < k; ++s) acc += bf16_bits_to_float(y[row_of[t * k + s] * H + h]);
-              if (with_shared) acc += bf16_bits_to_float(shared[t * H + h]);
-              ASSERT_EQ(out[t * H + h], float_to_bf16_bits(acc)) << "t " << t << " h " << h;
-            }
+          const std::vector<uint16_t> ref =
+              test::combine_reference(y, with_shared ? shared : std::vector<uint16_t>{}, row_of, T, k, H);
+          for (int64_t i = 0; i < T * H; ++i) ASSERT_EQ(out[i], ref[i]) << "t " << i / H << " h " << i % H;
         }
       }
     }
