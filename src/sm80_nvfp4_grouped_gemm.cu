@@ -2,6 +2,7 @@
 // attributes (cached), persistent grid sizing. Never synchronizes; allocates nothing.
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cmath>
 #include <mutex>
 #include <vector>
@@ -94,6 +95,16 @@ LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& c
 
 bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
+// Stream configs' L2 prefetch distance (64-K chunks ahead of the register ring). FP4MOE_STREAM_PREFETCH
+// overrides it (a measuring knob, read once).
+int stream_prefetch_chunks() {
+  static const int v = [] {
+    const char* e = std::getenv("FP4MOE_STREAM_PREFETCH");
+    return e != nullptr ? std::max(0, std::atoi(e)) : 0;
+  }();
+  return v;
+}
+
 }  // namespace
 
 namespace {
@@ -185,6 +196,7 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   p.limit = args.swiglu_limit;
   p.scale_mul = 16u;  // NVFP4 E4M3 block scales (decode_scale_pair)
   p.scale_add = layout::kScaleBias;
+  p.prefetch_chunks = stream_prefetch_chunks();
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;
@@ -239,7 +251,7 @@ TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, i
                         cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess;
   // decode: the stream kernel, when its activation rows (bt x K) fit the block's shared memory
   if (have_gpu && r <= 16) {
-    const TileConfig s = r <= 8 ? TileConfig{384, 8, 64, 4, 24, 2, 1} : TileConfig{384, 16, 64, 3, 24, 2, 1};
+    const TileConfig s = r <= 8 ? TileConfig{384, 8, 64, 4, 24, 2, 1} : TileConfig{384, 16, 64, 4, 24, 2, 1};
     if (stream_smem_layout(s, k).total_bytes <= static_cast<size_t>(optin)) return s;
   }
   if (!k128) return rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};

@@ -147,9 +147,9 @@ inline constexpr TileConfig kGemmConfigs[] = {
     // GLM-like shapes (<= 8 rows per active expert), bt 16 up to ~256.
     {384, 8, 64, 4, 24, 2, 1},
     {192, 8, 64, 4, 12, 2, 2},   // two CTAs per SM: one CTA's round barrier overlaps the other's stream
-    {384, 16, 64, 3, 24, 2, 1},
+    {384, 16, 64, 4, 24, 2, 1},
     {256, 8, 64, 6, 16, 2, 1},   // fewer warps (127 registers), deeper ring: as many bytes in flight
-    {256, 16, 64, 4, 16, 2, 1},
+    {192, 16, 64, 4, 12, 2, 2},  // two CTAs per SM only where 16 x K x 2 B of rows allow it (GEMM2)
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);
 

@@ -253,7 +253,7 @@ TEST(GroupedGemmGpu, StreamConfigsSplitTilesAndRounds) {
 TEST(GroupedGemmGpu, StreamGlm5DecodeShapes) {
   REQUIRE_GPU();
   run_problem({4096, 6144, {1, 0, 3, 8, 2}, GemmEpilogue::kSwiGLU}, TileConfig{384, 8, 64, 4, 24, 2, 1}, 31);
-  run_problem({6144, 2048, {2, 9, 0, 1}, GemmEpilogue::kPlain, false, true}, TileConfig{384, 16, 64, 3, 24, 2, 1},
+  run_problem({6144, 2048, {2, 9, 0, 1}, GemmEpilogue::kPlain, false, true}, TileConfig{384, 16, 64, 4, 24, 2, 1},
               32);
 }
 
