@@ -406,7 +406,8 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // ending, the load cursor reaching the end of its round) leave the unrolled loop and re-enter it at the
   // slot where it stopped, so the cold code exists once.
   int ph = 0;
-  while (pc.cleft > 0) {
+  bool alive = pc.cleft > 0;
+  while (alive) {
     switch (ph) {
 #define FP4MOE_STREAM_SLOT(d)                                      \
   case d:                                                          \
@@ -429,13 +430,14 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
 #undef FP4MOE_STREAM_SLOT
       default:
         ph = 0;
-        continue;  // all slots consumed: next turn of the ring
+        continue;  // all slots consumed: next turn of the ring (an event, if any, is seen at slot 0)
     }
     if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
     if (pc.cleft == 0) {
       pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]),
                                           make_float4(acc[NT - 1][0], acc[NT - 1][1], acc[NT - 1][2], acc[NT - 1][3]));
       zero_acc();
+      alive = pc.cleft > 0;  // 0 only when the CTA has no more work
     }
   }
 }
