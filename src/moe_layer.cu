@@ -14,6 +14,7 @@
 #include "fp4moe/kernels/routing_topk.cuh"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/tuner.hpp"
+#include "moe_layer_internal.hpp"
 
 namespace fp4moe {
 
@@ -28,17 +29,16 @@ constexpr size_t kCublasWorkspaceBytes = 32u << 20;
 
 bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
+}  // namespace
+
+namespace detail {
+
 OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stream) {
   if (src == nullptr) return {};
   OwnedDeviceBuffer b(bytes);
   FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.get(), src, bytes, cudaMemcpyDeviceToDevice, stream));
   return b;
 }
-
-struct RepackedGemm {
-  OwnedDeviceBuffer codes, scales, global, global_up, bias;
-  GroupedWeightsView view;
-};
 
 RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const float* global,
                          const float* global_up, const float* bias, int num_experts, int64_t n, int64_t k,
@@ -62,6 +62,14 @@ RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const floa
   g.view.bias = g.bias.as<float>();
   return g;
 }
+
+}  // namespace detail
+
+using detail::copy_to_owned;
+using detail::RepackedGemm;
+using detail::repack_gemm;
+
+namespace {
 
 template <int kPerLane>
 void launch_routing(const kernels::RoutingParams& p, cudaStream_t stream) {
@@ -225,6 +233,97 @@ void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int
   else launch_combine<16>(y, shared_y, row_of, top_k, tokens, h8, out, stream);
 }
 
+namespace detail {
+
+std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, int num_sms) {
+  const int E = cfg.num_experts;
+  const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
+  const TuneProblem p1{E, cfg.top_k, 2 * I, H,
+                       cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU};
+  const TuneProblem p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
+  const TuneProblem s1{1, 1, 2 * Is, H, p1.epilogue};
+  const TuneProblem s2{1, 1, H, Is, GemmEpilogue::kPlain};
+  std::vector<MoeResolvedTileConfigs> out;
+  for (int64_t t = 1; t <= max_tokens; t *= 2) {
+    MoeResolvedTileConfigs r;
+    r.gemm1 = *choose_config(p1, t, num_sms).config;
+    r.gemm2 = *choose_config(p2, t, num_sms).config;
+    if (cfg.num_shared > 0) {
+      r.shared_gemm1 = *choose_config(s1, t, num_sms).config;
+      r.shared_gemm2 = *choose_config(s2, t, num_sms).config;
+    }
+    out.push_back(r);
+  }
+  return out;
+}
+
+MoeResolvedTileConfigs pick_tiles(const std::vector<MoeResolvedTileConfigs>& auto_tiles,
+                                  const MoeTileConfigs& overrides, int64_t tokens) {
+  size_t b = 0;
+  while (b + 1 < auto_tiles.size() && (int64_t{1} << (b + 1)) <= tokens) ++b;
+  MoeResolvedTileConfigs r = auto_tiles.at(b);
+  if (overrides.gemm1) r.gemm1 = *overrides.gemm1;
+  if (overrides.gemm2) r.gemm2 = *overrides.gemm2;
+  if (overrides.shared_gemm1) r.shared_gemm1 = *overrides.shared_gemm1;
+  if (overrides.shared_gemm2) r.shared_gemm2 = *overrides.shared_gemm2;
+  return r;
+}
+
+void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream) {
+  const GemmEpilogue act_epi =
+      c.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
+  // A shared expert of the routed experts' width runs inside the routed GEMM launches (fused=true):
+  // its few tiles would otherwise occupy a handful of SMs in a launch of their own (at T = 1, 32 CTAs
+  // streaming 14 MB while 100 SMs idle). A wider shared expert (num_shared > 1) gets its own launches.
+  const bool fused_shared = c.num_shared == 1;
+  GroupedGemmArgs a;
+  a.act = b.sorted;
+  a.expert_offsets = b.expert_offsets;
+  a.max_rows = b.rows;
+  a.out = b.gemm1_out;
+  a.epilogue = act_epi;
+  a.swiglu_alpha = c.swiglu_alpha;
+  a.swiglu_limit = c.swiglu_limit;
+  GroupedGemmArgs sa = a;
+  sa.act = b.shared_act;
+  sa.expert_offsets = b.shared_offsets;
+  sa.max_rows = b.shared_rows;
+  sa.out = b.shared_gemm1_out;
+  if (fused_shared) {
+    grouped_gemm_nvfp4(*w.gemm1, a, *w.shared1, sa, tiles.gemm1, stream);
+  } else {
+    grouped_gemm_nvfp4(*w.gemm1, a, tiles.gemm1, stream);
+    if (c.num_shared > 0) grouped_gemm_nvfp4(*w.shared1, sa, tiles.shared_gemm1, stream);
+  }
+}
+
+void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream) {
+  const bool fused_shared = c.num_shared == 1;
+  GroupedGemmArgs a;
+  a.act = b.gemm1_out;
+  a.expert_offsets = b.expert_offsets;
+  a.max_rows = b.rows;
+  a.row_scale = b.row_scale;
+  a.out = b.gemm2_out;
+  a.epilogue = GemmEpilogue::kPlain;
+  GroupedGemmArgs sa = a;
+  sa.act = b.shared_gemm1_out;
+  sa.expert_offsets = b.shared_offsets;
+  sa.max_rows = b.shared_rows;
+  sa.row_scale = nullptr;
+  sa.out = b.shared_gemm2_out;
+  if (fused_shared) {
+    grouped_gemm_nvfp4(*w.gemm2, a, *w.shared2, sa, tiles.gemm2, stream);
+  } else {
+    grouped_gemm_nvfp4(*w.gemm2, a, tiles.gemm2, stream);
+    if (c.num_shared > 0) grouped_gemm_nvfp4(*w.shared2, sa, tiles.shared_gemm2, stream);
+  }
+}
+
+}  // namespace detail
+
 struct MoeLayer::Impl {
   MoeConfig cfg;
   int64_t max_tokens = 0;
@@ -274,23 +373,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
     FP4MOE_CUBLAS_CHECK(cublasCreate(&m.cublas));
     FP4MOE_CUBLAS_CHECK(cublasSetWorkspace(m.cublas, m.cublas_workspace.get(), kCublasWorkspaceBytes));
   }
-  {
-    const TuneProblem p1{E, cfg.top_k, 2 * I, H,
-                         cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU};
-    const TuneProblem p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
-    const TuneProblem s1{1, 1, 2 * Is, H, p1.epilogue};
-    const TuneProblem s2{1, 1, H, Is, GemmEpilogue::kPlain};
-    for (int64_t t = 1; t <= max_tokens; t *= 2) {
-      MoeResolvedTileConfigs r;
-      r.gemm1 = *choose_config(p1, t, m.num_sms).config;
-      r.gemm2 = *choose_config(p2, t, m.num_sms).config;
-      if (cfg.num_shared > 0) {
-        r.shared_gemm1 = *choose_config(s1, t, m.num_sms).config;
-        r.shared_gemm2 = *choose_config(s2, t, m.num_sms).config;
-      }
-      m.auto_tiles.push_back(r);
-    }
-  }
+  m.auto_tiles = detail::resolve_auto_tiles(cfg, max_tokens, m.num_sms);
   // The copies read the caller's buffers asynchronously; finishing here lets the caller free them.
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
@@ -307,15 +390,7 @@ MoeWorkspaceLayout MoeLayer::workspace_layout() const { return impl_->layout; }
 void MoeLayer::set_tile_configs(const MoeTileConfigs& tiles) { impl_->tiles = tiles; }
 
 MoeResolvedTileConfigs MoeLayer::tile_configs(int64_t tokens) const {
-  const Impl& m = *impl_;
-  size_t b = 0;
-  while (b + 1 < m.auto_tiles.size() && (int64_t{1} << (b + 1)) <= tokens) ++b;
-  MoeResolvedTileConfigs r = m.auto_tiles.at(b);
-  if (m.tiles.gemm1) r.gemm1 = *m.tiles.gemm1;
-  if (m.tiles.gemm2) r.gemm2 = *m.tiles.gemm2;
-  if (m.tiles.shared_gemm1) r.shared_gemm1 = *m.tiles.shared_gemm1;
-  if (m.tiles.shared_gemm2) r.shared_gemm2 = *m.tiles.shared_gemm2;
-  return r;
+  return detail::pick_tiles(impl_->auto_tiles, impl_->tiles, tokens);
 }
 
 MoeIntermediates MoeLayer::intermediates(void* workspace) const {
@@ -400,58 +475,23 @@ void MoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens, 
                      stream);  // one launch when tokens * k <= 4096
   mark(2);
 
-  // ---- GEMM1 (+ activation) ----
-  const GemmEpilogue act_epi =
-      c.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
-  // A shared expert of the routed experts' width runs inside the routed GEMM launches (fused=true):
-  // its few tiles would otherwise occupy a handful of SMs in a launch of their own (at T = 1, 32 CTAs
-  // streaming 14 MB while 100 SMs idle). A wider shared expert (num_shared > 1) gets its own launches.
-  const bool fused_shared = c.num_shared == 1;
-  {
-    GroupedGemmArgs a;
-    a.act = ws.sorted_hidden;
-    a.expert_offsets = ws.expert_offsets;
-    a.max_rows = n;
-    a.out = ws.gemm1_out;
-    a.epilogue = act_epi;
-    a.swiglu_alpha = c.swiglu_alpha;
-    a.swiglu_limit = c.swiglu_limit;
-    GroupedGemmArgs sa = a;
-    sa.act = hidden;  // the shared expert sees every token in order: no gather
-    sa.expert_offsets = shared_offsets;
-    sa.max_rows = tokens;
-    sa.out = shared_gemm1_out;
-    if (fused_shared) {
-      grouped_gemm_nvfp4(m.gemm1.view, a, m.shared1.view, sa, tiles.gemm1, stream);
-    } else {
-      grouped_gemm_nvfp4(m.gemm1.view, a, tiles.gemm1, stream);
-      if (c.num_shared > 0) grouped_gemm_nvfp4(m.shared1.view, sa, tiles.shared_gemm1, stream);
-    }
-  }
+  // ---- GEMM1 (+ activation), GEMM2 (x routing weight) ----
+  detail::ExpertGemmBuffers gb;
+  gb.sorted = ws.sorted_hidden;
+  gb.expert_offsets = ws.expert_offsets;
+  gb.rows = n;
+  gb.row_scale = ws.row_scale;
+  gb.gemm1_out = ws.gemm1_out;
+  gb.gemm2_out = ws.gemm2_out;
+  gb.shared_act = hidden;  // the shared expert sees every token in order: no gather
+  gb.shared_offsets = shared_offsets;
+  gb.shared_rows = tokens;
+  gb.shared_gemm1_out = shared_gemm1_out;
+  gb.shared_gemm2_out = ws.shared_gemm2_out;
+  const detail::ExpertGemmWeights gw{&m.gemm1.view, &m.gemm2.view, &m.shared1.view, &m.shared2.view};
+  detail::run_expert_gemm1(c, gw, gb, tiles, stream);
   mark(3);
-
-  // ---- GEMM2 (x routing weight) ----
-  {
-    GroupedGemmArgs a;
-    a.act = ws.gemm1_out;
-    a.expert_offsets = ws.expert_offsets;
-    a.max_rows = n;
-    a.row_scale = ws.row_scale;
-    a.out = ws.gemm2_out;
-    a.epilogue = GemmEpilogue::kPlain;
-    GroupedGemmArgs sa = a;
-    sa.act = shared_gemm1_out;
-    sa.expert_offsets = shared_offsets;
-    sa.max_rows = tokens;
-    sa.row_scale = nullptr;
-    sa.out = ws.shared_gemm2_out;
-    if (fused_shared) {
-      grouped_gemm_nvfp4(m.gemm2.view, a, m.shared2.view, sa, tiles.gemm2, stream);
-    } else {
-      grouped_gemm_nvfp4(m.gemm2.view, a, tiles.gemm2, stream);
-      if (c.num_shared > 0) grouped_gemm_nvfp4(m.shared2.view, sa, tiles.shared_gemm2, stream);
-    }
-  }
+  detail::run_expert_gemm2(c, gw, gb, tiles, stream);
   mark(4);
 
   // ---- combine ----

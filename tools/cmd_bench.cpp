@@ -8,6 +8,7 @@
 
 #include "bench_common.hpp"
 #include "commands.hpp"
+#include "ep_bench.hpp"
 #include "fp4moe/config.hpp"
 #include "fp4moe/cuda_check.hpp"
 #include "gemm_bench.hpp"
@@ -26,6 +27,8 @@ struct BenchArgs {
   int reps = 20;
   std::string json;
   std::string tile1, tile2;
+  int ep = 0;
+  double capacity_factor = 0.0;
 };
 
 // A config name of kGemmConfigs (e.g. stream_bt8_w24_d4_c1, bn128_bt32_bk128_s5_w8) or BNxBTxBKxSTAGESxWARPS.
@@ -118,9 +121,24 @@ void register_bench(CLI::App& app) {
   sub->add_option("--tile2", args->tile2, "gemm mode: force GEMM2's config");
   sub->add_flag("--compare-heuristic", args->compare_heuristic,
                 "gemm mode: also time the heuristic's configs and show the tuner's gain");
+  sub->add_option("--ep", args->ep,
+                  "expert parallel over N GPUs of this host (one thread per GPU, NCCL; N = 1: one GPU): layer time "
+                  "per rank, bytes moved, communication share, scaling efficiency (default tokens per rank 1,8,128,1024)");
+  sub->add_option("--capacity-factor", args->capacity_factor,
+                  "with --ep: EpCapacity::capacity_factor (0 = worst-case message sizes)")
+      ->capture_default_str();
   sub->callback([args] {
     FP4MOE_REQUIRE(gpu_available(), "bench needs a CUDA GPU and none was found (try `fp4moe run` for the CPU reference)");
     const MoeConfig& cfg = preset(args->model);
+    if (args->ep > 0) {
+      bench::EpBenchOptions o;
+      o.ranks = args->ep;
+      o.tokens = args->tokens;
+      o.capacity_factor = args->capacity_factor;
+      o.reps = args->reps;
+      bench::run_ep_bench_command(cfg, o, args->json, commit_id());
+      return;
+    }
     cudaStream_t s;
     FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     std::fprintf(stderr, "measuring ceilings...\n");

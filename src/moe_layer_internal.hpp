@@ -1,0 +1,71 @@
+// Pieces of the MoE layer shared by MoeLayer (moe_layer.cu) and EpMoeLayer (ep_moe_layer.cu): weight
+// repacking into owned memory, the tile-config choice per token bucket and the two expert GEMM stages.
+// One definition each, so the expert-parallel layer runs exactly the single-GPU layer's arithmetic
+// (same GEMM launches, same fused shared expert, same tile rule) and its output stays bit-identical.
+// Internal to the library (src/), not a public header.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include "fp4moe/config.hpp"
+#include "fp4moe/grouped_gemm.hpp"
+#include "fp4moe/moe_layer.hpp"
+
+namespace fp4moe::detail {
+
+OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stream);
+
+// One grouped GEMM's weights repacked into memory the layer owns, and the view the kernel reads.
+struct RepackedGemm {
+  OwnedDeviceBuffer codes, scales, global, global_up, bias;
+  GroupedWeightsView view;
+};
+
+RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const float* global,
+                         const float* global_up, const float* bias, int num_experts, int64_t n, int64_t k,
+                         bool gate_up, cudaStream_t stream);
+
+// Automatic tile configs per token bucket [2^b, 2^(b+1)), b = 0 .. log2(max_tokens): tuner cache, else
+// heuristic, for the problems of `cfg` (all cfg.num_experts experts, cfg.top_k). Resolved once at
+// construction so forward() never reads the cache file.
+std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, int num_sms);
+// The bucket of `tokens`, then the explicit overrides.
+MoeResolvedTileConfigs pick_tiles(const std::vector<MoeResolvedTileConfigs>& auto_tiles,
+                                  const MoeTileConfigs& overrides, int64_t tokens);
+
+// The buffers of the two expert GEMM stages. Routed rows are expert-sorted: expert e of the weight set
+// owns rows [expert_offsets[e], expert_offsets[e + 1]) (device array). The shared expert (when the
+// config has one) sees `shared_rows` rows of shared_act in token order, with offsets {0, T}.
+struct ExpertGemmBuffers {
+  const void* sorted = nullptr;            // bf16 [rows, H]
+  const int32_t* expert_offsets = nullptr;
+  int64_t rows = 0;                        // capacity of the routed buffers (max_rows)
+  const float* row_scale = nullptr;        // [rows]: routing weight per sorted row
+  void* gemm1_out = nullptr;               // bf16 [rows, I]
+  void* gemm2_out = nullptr;               // bf16 [rows, H]
+  const void* shared_act = nullptr;        // bf16 [shared_rows, H]
+  const int32_t* shared_offsets = nullptr; // [2]
+  int64_t shared_rows = 0;
+  void* shared_gemm1_out = nullptr;        // bf16 [shared_rows, Is]
+  void* shared_gemm2_out = nullptr;        // bf16 [shared_rows, H]
+};
+
+// The weights of the four GEMM calls (shared1/shared2 unused when cfg.num_shared == 0).
+struct ExpertGemmWeights {
+  const GroupedWeightsView* gemm1 = nullptr;
+  const GroupedWeightsView* gemm2 = nullptr;
+  const GroupedWeightsView* shared1 = nullptr;
+  const GroupedWeightsView* shared2 = nullptr;
+};
+
+// GEMM1 (+ activation) and GEMM2 (x routing weight) of the routed experts and the shared expert.
+// A shared expert of the routed experts' width (num_shared == 1) runs inside the routed launches.
+void run_expert_gemm1(const MoeConfig& cfg, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream);
+void run_expert_gemm2(const MoeConfig& cfg, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream);
+
+}  // namespace fp4moe::detail
