@@ -113,13 +113,20 @@ std::string strides_str(const Tensor& t) { return shape_str(t.strides, t.ndim); 
 std::string dtype_name(DLDataType d) {
   if (d.lanes != 1) return fmt::format("vector dtype (code {}, {} bits, {} lanes)", d.code, d.bits, d.lanes);
   switch (d.code) {
-    case kDLInt: return fmt::format("int{}", d.bits);
-    case kDLUInt: return fmt::format("uint{}", d.bits);
-    case kDLFloat: return fmt::format("float{}", d.bits);
-    case kDLBfloat: return fmt::format("bfloat{}", d.bits);
-    case kDLBool: return "bool";
-    case kDLFloat8_e4m3fn: return "float8_e4m3fn";
-    default: return fmt::format("DLPack dtype (code {}, {} bits)", d.code, d.bits);
+    case kDLInt:
+      return fmt::format("int{}", d.bits);
+    case kDLUInt:
+      return fmt::format("uint{}", d.bits);
+    case kDLFloat:
+      return fmt::format("float{}", d.bits);
+    case kDLBfloat:
+      return fmt::format("bfloat{}", d.bits);
+    case kDLBool:
+      return "bool";
+    case kDLFloat8_e4m3fn:
+      return "float8_e4m3fn";
+    default:
+      return fmt::format("DLPack dtype (code {}, {} bits)", d.code, d.bits);
   }
 }
 bool is(DLDataType d, uint8_t code, uint8_t bits) { return d.code == code && d.bits == bits && d.lanes == 1; }
@@ -131,11 +138,16 @@ bool is_e4m3(DLDataType d) { return is(d, kDLFloat8_e4m3fn, 8) || is_u8(d); }
 
 std::string device_str(int32_t type, int32_t id) {
   switch (type) {
-    case kDLCPU: return "cpu";
-    case kDLCUDA: return fmt::format("cuda:{}", id);
-    case kDLCUDAHost: return "cpu (pinned)";
-    case kDLCUDAManaged: return fmt::format("cuda managed memory (device {})", id);
-    default: return fmt::format("DLPack device type {}", type);
+    case kDLCPU:
+      return "cpu";
+    case kDLCUDA:
+      return fmt::format("cuda:{}", id);
+    case kDLCUDAHost:
+      return "cpu (pinned)";
+    case kDLCUDAManaged:
+      return fmt::format("cuda managed memory (device {})", id);
+    default:
+      return fmt::format("DLPack device type {}", type);
   }
 }
 
@@ -195,8 +207,8 @@ Tensor tensor_of(nb::handle obj, const char* name) {
   // on the GPU, where the producer's flag is the caller's business.
   nb::ndarray<nb::ro> a;
   if (!nb::try_cast(obj, a, /*convert=*/false))
-    type_error("{}: a {} is not a tensor; pass a torch / CuPy / JAX / NumPy array (anything with __dlpack__)",
-               name, nb::inst_name(obj).c_str());
+    type_error("{}: a {} is not a tensor; pass a torch / CuPy / JAX / NumPy array (anything with __dlpack__)", name,
+               nb::inst_name(obj).c_str());
   Tensor t;
   if (a.ndim() > static_cast<size_t>(kMaxDims))
     value_error("{}: {} dimensions; fp4moe takes tensors of at most {}", name, a.ndim(), kMaxDims);
@@ -237,8 +249,10 @@ void require_shape(const Tensor& t, const char* name, std::initializer_list<int6
 }
 void require_row_major(const Tensor& t, const char* name) {
   if (!t.row_major())
-    value_error("{}: strides {} (elements) of shape {} are not row-major contiguous; pass a contiguous tensor "
-                "(e.g. .contiguous())", name, strides_str(t), shape_str(t));
+    value_error(
+        "{}: strides {} (elements) of shape {} are not row-major contiguous; pass a contiguous tensor "
+        "(e.g. .contiguous())",
+        name, strides_str(t), shape_str(t));
 }
 void require_on(const Tensor& t, const char* name, int device);
 void require_on_if(const Tensor& t, const char* name, int device) {
@@ -246,8 +260,8 @@ void require_on_if(const Tensor& t, const char* name, int device) {
 }
 void require_on(const Tensor& t, const char* name, int device) {
   if (!(t.device_type == kDLCUDA && t.device_id == device))
-    value_error("{}: on {}, but the layer runs on cuda:{}; move it there first (fp4moe copies nothing per call)",
-                name, device_str(t.device_type, t.device_id), device);
+    value_error("{}: on {}, but the layer runs on cuda:{}; move it there first (fp4moe copies nothing per call)", name,
+                device_str(t.device_type, t.device_id), device);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -257,7 +271,9 @@ void require_on(const Tensor& t, const char* name, int device) {
 void require_gpu(const char* what) {
   if (!gpu_available())
     throw nb::value_error(fmt::format("{} needs a CUDA GPU and none is available to this process "
-                                      "(cudaGetDeviceCount found none, or no driver)", what).c_str());
+                                      "(cudaGetDeviceCount found none, or no driver)",
+                                      what)
+                              .c_str());
 }
 
 // Makes `device` current for a scope (torch may have another current device than the tensors').
@@ -265,8 +281,10 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     FP4MOE_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) FP4MOE_CUDA_CHECK(cudaSetDevice(device));
-    else prev_ = -1;
+    if (prev_ != device)
+      FP4MOE_CUDA_CHECK(cudaSetDevice(device));
+    else
+      prev_ = -1;
   }
   ~DeviceGuard() {
     if (prev_ >= 0) cudaSetDevice(prev_);
@@ -284,9 +302,12 @@ class DeviceGuard {
 
 const char* router_name(RouterKind r) {
   switch (r) {
-    case RouterKind::kSoftmaxTopK: return "softmax";
-    case RouterKind::kSigmoidGrouped: return "sigmoid_grouped";
-    case RouterKind::kGptOss: return "gpt_oss";
+    case RouterKind::kSoftmaxTopK:
+      return "softmax";
+    case RouterKind::kSigmoidGrouped:
+      return "sigmoid_grouped";
+    case RouterKind::kGptOss:
+      return "gpt_oss";
   }
   return "?";
 }
@@ -337,8 +358,7 @@ void check_routing_tensors(const Shape& sh, const Tensor& ids, const Tensor& wts
   if (!is_i32(ids.dtype))
     type_error("topk_ids: dtype {}; pass int32 (e.g. .to(torch.int32) once; fp4moe converts nothing per call)",
                dtype_name(ids.dtype));
-  if (!is_f32(wts.dtype))
-    type_error("topk_weights: dtype {}; pass float32", dtype_name(wts.dtype));
+  if (!is_f32(wts.dtype)) type_error("topk_weights: dtype {}; pass float32", dtype_name(wts.dtype));
   const std::string why = fmt::format("([T, top_k = {}])", sh.cfg.top_k);
   require_shape(ids, "topk_ids", {T, sh.cfg.top_k}, why);
   require_shape(wts, "topk_weights", {T, sh.cfg.top_k}, why);
@@ -371,16 +391,16 @@ struct Call {
   cudaStream_t stream = nullptr;
 };
 
-Call prepare_call(const Shape& sh, nb::handle hidden, nb::handle router_logits, nb::handle topk_ids, nb::handle topk_weights,
-             nb::handle out, int64_t stream_handle) {
+Call prepare_call(const Shape& sh, nb::handle hidden, nb::handle router_logits, nb::handle topk_ids,
+                  nb::handle topk_weights, nb::handle out, int64_t stream_handle) {
   Call c;
   Tensor h = tensor_of(hidden, "hidden");
   if (!is_bf16(h.dtype)) type_error("hidden: dtype {}; the layer takes bfloat16 activations", dtype_name(h.dtype));
   require_shape(h, "hidden", {-1, sh.cfg.hidden}, fmt::format("([T, hidden = {}])", sh.cfg.hidden));
   const int64_t T = h.shape[0];
   if (T > sh.max_tokens)
-    value_error("hidden: T = {} tokens exceeds max_tokens = {} (fixed at construction; it sizes the workspace)",
-                T, sh.max_tokens);
+    value_error("hidden: T = {} tokens exceeds max_tokens = {} (fixed at construction; it sizes the workspace)", T,
+                sh.max_tokens);
   require_on_if(h, "hidden", sh.device);
   require_row_major(h, "hidden");
   Tensor o = tensor_of(out, "out");
@@ -391,8 +411,9 @@ Call prepare_call(const Shape& sh, nb::handle hidden, nb::handle router_logits, 
 
   const bool given = !topk_ids.is_none() || !topk_weights.is_none();
   if (given && !router_logits.is_none())
-    value_error("router_logits and topk_ids / topk_weights were both given; pass one routing: the layer's own "
-                "router on logits, or the engine's top-k ids and weights");
+    value_error(
+        "router_logits and topk_ids / topk_weights were both given; pass one routing: the layer's own "
+        "router on logits, or the engine's top-k ids and weights");
   if (given) {
     if (topk_ids.is_none()) value_error("topk_ids is None but topk_weights was given; pass both");
     if (topk_weights.is_none()) value_error("topk_weights is None but topk_ids was given; pass both");
@@ -403,11 +424,15 @@ Call prepare_call(const Shape& sh, nb::handle hidden, nb::handle router_logits, 
   } else if (!router_logits.is_none()) {
     Tensor l = tensor_of(router_logits, "router_logits");
     check_logits(sh, l, T);
-    if (is_f32(l.dtype)) c.logits = static_cast<const float*>(l.data);
-    else c.logits_bf16 = l.data;
+    if (is_f32(l.dtype))
+      c.logits = static_cast<const float*>(l.data);
+    else
+      c.logits_bf16 = l.data;
   } else if (!sh.has_router_weight) {
-    value_error("router_logits is None and the layer has no router weight: pass router_logits (fp32 or bf16 "
-                "[T, {}]) or topk_ids and topk_weights", sh.cfg.num_experts);
+    value_error(
+        "router_logits is None and the layer has no router weight: pass router_logits (fp32 or bf16 "
+        "[T, {}]) or topk_ids and topk_weights",
+        sh.cfg.num_experts);
   }
   c.tokens = T;
   c.hidden = h.data;
@@ -417,12 +442,24 @@ Call prepare_call(const Shape& sh, nb::handle hidden, nb::handle router_logits, 
 }
 
 // Weight tensors the constructor accepts (Python maps engine / checkpoint names onto these first).
-const char* const kWeightKeys[] = {
-    "w13_weight",        "w13_weight_scale",        "w13_weight_scale_2",        "w2_weight",
-    "w2_weight_scale",   "w2_weight_scale_2",       "w13_bias",                  "w2_bias",
-    "router_weight",     "router_bias",             "shared_w13_weight",         "shared_w13_weight_scale",
-    "shared_w13_weight_scale_2", "shared_w2_weight", "shared_w2_weight_scale",   "shared_w2_weight_scale_2",
-    "shared_w13_bias",   "shared_w2_bias"};
+const char* const kWeightKeys[] = {"w13_weight",
+                                   "w13_weight_scale",
+                                   "w13_weight_scale_2",
+                                   "w2_weight",
+                                   "w2_weight_scale",
+                                   "w2_weight_scale_2",
+                                   "w13_bias",
+                                   "w2_bias",
+                                   "router_weight",
+                                   "router_bias",
+                                   "shared_w13_weight",
+                                   "shared_w13_weight_scale",
+                                   "shared_w13_weight_scale_2",
+                                   "shared_w2_weight",
+                                   "shared_w2_weight_scale",
+                                   "shared_w2_weight_scale_2",
+                                   "shared_w13_bias",
+                                   "shared_w2_bias"};
 
 class Layer {
  public:
@@ -498,8 +535,8 @@ class Layer {
 
   // Host time of `iters` forward calls made from C++ with the arguments imported once (the benchmark's
   // baseline for the Python call's overhead). Does not synchronize.
-  double bench_cpp_forward(nb::handle hidden, nb::handle router_logits, nb::handle topk_ids,
-                           nb::handle topk_weights, nb::handle out, int64_t stream_handle, int iters) {
+  double bench_cpp_forward(nb::handle hidden, nb::handle router_logits, nb::handle topk_ids, nb::handle topk_weights,
+                           nb::handle out, int64_t stream_handle, int iters) {
     Call c = prepare_call(shape_, hidden, router_logits, topk_ids, topk_weights, out, stream_handle);
     if (c.tokens == 0) return 0.0;
     DeviceGuard guard(device_);
@@ -548,8 +585,10 @@ class Layer {
   std::vector<float> host_floats(const Tensor& t) {
     std::vector<float> v(static_cast<size_t>(t.numel()));
     if (v.empty()) return v;
-    if (t.is_cuda()) FP4MOE_CUDA_CHECK(cudaMemcpy(v.data(), t.data, v.size() * 4, cudaMemcpyDeviceToHost));
-    else std::memcpy(v.data(), t.data, v.size() * 4);
+    if (t.is_cuda())
+      FP4MOE_CUDA_CHECK(cudaMemcpy(v.data(), t.data, v.size() * 4, cudaMemcpyDeviceToHost));
+    else
+      std::memcpy(v.data(), t.data, v.size() * 4);
     return v;
   }
   const float* upload_floats(const std::vector<float>& v) {
@@ -569,8 +608,8 @@ class Layer {
       if (v.is_none()) return std::nullopt;
       Tensor t = tensor_of(v, key);
       if (!t.row_major())
-        value_error("weights['{}']: strides {} of shape {} are not row-major contiguous; pass a contiguous tensor",
-                    key, strides_str(t), shape_str(t));
+        value_error("weights['{}']: strides {} of shape {} are not row-major contiguous; pass a contiguous tensor", key,
+                    strides_str(t), shape_str(t));
       return t;
     };
     auto need = [&](const char* key) -> Tensor {
@@ -591,7 +630,8 @@ class Layer {
     auto scales = [&](const char* key, std::initializer_list<int64_t> shape) {
       Tensor t = need(key);
       if (!is_e4m3(t.dtype))
-        type_error("{}: dtype {}; block scales are float8_e4m3fn (or their uint8 bits)", name(key), dtype_name(t.dtype));
+        type_error("{}: dtype {}; block scales are float8_e4m3fn (or their uint8 bits)", name(key),
+                   dtype_name(t.dtype));
       require_shape(t, name(key).c_str(), shape, dims);
       return static_cast<const uint8_t*>(device_bytes(t, key));
     };
@@ -649,7 +689,8 @@ class Layer {
                                  "shared_w2_weight",  "shared_w2_weight_scale",  "shared_w2_weight_scale_2",
                                  "shared_w13_bias",   "shared_w2_bias"};
     if (c.num_shared == 0) {
-      for (const char* k : shared_keys) forbid(k, fmt::format("config '{}' has no shared expert (num_shared = 0)", c.name));
+      for (const char* k : shared_keys)
+        forbid(k, fmt::format("config '{}' has no shared expert (num_shared = 0)", c.name));
       return w;
     }
     // The shared expert: [N, K/2] or with a leading expert dimension of 1.
@@ -744,15 +785,16 @@ std::tuple<nb::ndarray<nb::numpy, uint8_t>, nb::ndarray<nb::numpy, uint8_t>, flo
     type_error("x: dtype {}; pass float32 or bfloat16", dtype_name(t.dtype));
   }
   const float g = q.global_scale;
-  return {to_numpy(std::move(q.codes), lead_shape(t, K / 2)), to_numpy(std::move(q.scales), lead_shape(t, K / 16)),
-          g};
+  return {to_numpy(std::move(q.codes), lead_shape(t, K / 2)), to_numpy(std::move(q.scales), lead_shape(t, K / 16)), g};
 }
 
 // row_global: one float32 multiplier per row of codes (the Python wrapper broadcasts a scalar / [E]).
 nb::ndarray<nb::numpy, float> dequantize_nvfp4_py(nb::handle codes, nb::handle scales, nb::handle row_global) {
-  Tensor c = host_tensor(codes, "codes"), s = host_tensor(scales, "scales"), g = host_tensor(row_global, "global_scale");
+  Tensor c = host_tensor(codes, "codes"), s = host_tensor(scales, "scales"),
+         g = host_tensor(row_global, "global_scale");
   if (!is_u8(c.dtype)) type_error("codes: dtype {}; packed E2M1 codes are uint8", dtype_name(c.dtype));
-  if (!is_e4m3(s.dtype)) type_error("scales: dtype {}; NVFP4 block scales are float8_e4m3fn (or uint8)", dtype_name(s.dtype));
+  if (!is_e4m3(s.dtype))
+    type_error("scales: dtype {}; NVFP4 block scales are float8_e4m3fn (or uint8)", dtype_name(s.dtype));
   if (!is_f32(g.dtype)) type_error("global_scale: dtype {}; pass float32", dtype_name(g.dtype));
   const int64_t K = 2 * c.shape[c.ndim - 1], rows = K > 0 ? c.numel() * 2 / K : 0;
   if (s.ndim != c.ndim || K % kNvfp4Block != 0 || s.shape[s.ndim - 1] != K / kNvfp4Block)
@@ -760,7 +802,8 @@ nb::ndarray<nb::numpy, float> dequantize_nvfp4_py(nb::handle codes, nb::handle s
                 shape_str(c), K / kNvfp4Block, K);
   for (int i = 0; i + 1 < c.ndim; ++i)
     if (s.shape[i] != c.shape[i])
-      value_error("scales: shape {} must match codes' shape {} except in the last dimension", shape_str(s), shape_str(c));
+      value_error("scales: shape {} must match codes' shape {} except in the last dimension", shape_str(s),
+                  shape_str(c));
   if (g.numel() != rows) value_error("global_scale: {} values for {} rows", g.numel(), rows);
   const auto* cp = static_cast<const uint8_t*>(c.data);
   const auto* sp = static_cast<const uint8_t*>(s.data);
@@ -803,9 +846,10 @@ nb::ndarray<nb::numpy, uint8_t> swizzle_py(nb::handle scales) {
   Tensor s = host_tensor(scales, "scales");
   if (s.dtype.bits != 8 || s.ndim != 2) value_error("scales: a 2-D array of 8-bit scales [rows, K/16] is required");
   const int64_t rows = s.shape[0], kb = s.shape[1];
-  std::vector<uint8_t> out = swizzle_scales_128x4(
-      std::span<const uint8_t>(static_cast<const uint8_t*>(s.data), s.numel()), rows, kb);
-  return to_numpy(std::move(out), {static_cast<size_t>((rows + 127) / 128 * 128), static_cast<size_t>((kb + 3) / 4 * 4)});
+  std::vector<uint8_t> out =
+      swizzle_scales_128x4(std::span<const uint8_t>(static_cast<const uint8_t*>(s.data), s.numel()), rows, kb);
+  return to_numpy(std::move(out),
+                  {static_cast<size_t>((rows + 127) / 128 * 128), static_cast<size_t>((kb + 3) / 4 * 4)});
 }
 
 nb::ndarray<nb::numpy, uint8_t> unswizzle_py(nb::handle swizzled, int64_t rows, int64_t kblocks) {
@@ -815,8 +859,8 @@ nb::ndarray<nb::numpy, uint8_t> unswizzle_py(nb::handle swizzled, int64_t rows, 
   const int64_t need = swizzled_128x4_size(rows, kblocks);
   if (s.numel() != need)
     value_error("swizzled: {} bytes; the 128x4 layout of [{}, {}] holds {}", s.numel(), rows, kblocks, need);
-  std::vector<uint8_t> out = unswizzle_scales_128x4(
-      std::span<const uint8_t>(static_cast<const uint8_t*>(s.data), s.numel()), rows, kblocks);
+  std::vector<uint8_t> out =
+      unswizzle_scales_128x4(std::span<const uint8_t>(static_cast<const uint8_t*>(s.data), s.numel()), rows, kblocks);
   return to_numpy(std::move(out), {static_cast<size_t>(rows), static_cast<size_t>(kblocks)});
 }
 
@@ -832,17 +876,37 @@ nb::dict make_dict(std::initializer_list<std::pair<const char*, nb::object>> ite
 
 nb::list lines_of(const std::vector<SmemLine>& lines) {
   nb::list l;
-  for (const SmemLine& s : lines) l.append(make_dict({{"what", nb::cast(s.what)}, {"formula", nb::cast(s.formula)}, {"bytes", nb::cast(s.bytes)}}));
+  for (const SmemLine& s : lines)
+    l.append(make_dict({{"what", nb::cast(s.what)}, {"formula", nb::cast(s.formula)}, {"bytes", nb::cast(s.bytes)}}));
   return l;
 }
 nb::dict verdict_of(const Verdict& v) {
   return make_dict({{"valid", nb::cast(v.valid)}, {"reason", nb::cast(v.reason)}, {"failures", nb::cast(v.failures)}});
 }
 nb::dict arch_of(const ArchInfo& a) {
-  return make_dict({{"name", nb::cast(a.name)}, {"cc", nb::cast(a.cc())}, {"smem_optin_per_block", nb::cast(a.smem_optin_per_block)}, {"smem_per_sm", nb::cast(a.smem_per_sm)}, {"reserved_smem_per_block", nb::cast(a.reserved_smem_per_block)}, {"regs_per_sm", nb::cast(a.regs_per_sm)}, {"max_threads_per_sm", nb::cast(a.max_threads_per_sm)}, {"max_ctas_per_sm", nb::cast(a.max_ctas_per_sm)}, {"num_sms", nb::cast(a.num_sms)}, {"sms_source", nb::cast(a.sms_source)}, {"mma_families", nb::cast(a.families_string())}, {"from_device", nb::cast(a.from_device)}, {"device_name", nb::cast(a.device_name)}});
+  return make_dict({{"name", nb::cast(a.name)},
+                    {"cc", nb::cast(a.cc())},
+                    {"smem_optin_per_block", nb::cast(a.smem_optin_per_block)},
+                    {"smem_per_sm", nb::cast(a.smem_per_sm)},
+                    {"reserved_smem_per_block", nb::cast(a.reserved_smem_per_block)},
+                    {"regs_per_sm", nb::cast(a.regs_per_sm)},
+                    {"max_threads_per_sm", nb::cast(a.max_threads_per_sm)},
+                    {"max_ctas_per_sm", nb::cast(a.max_ctas_per_sm)},
+                    {"num_sms", nb::cast(a.num_sms)},
+                    {"sms_source", nb::cast(a.sms_source)},
+                    {"mma_families", nb::cast(a.families_string())},
+                    {"from_device", nb::cast(a.from_device)},
+                    {"device_name", nb::cast(a.device_name)}});
 }
 nb::dict tile_of(const TileConfig& c) {
-  return make_dict({{"name", nb::cast(c.name())}, {"bn", nb::cast(c.bn)}, {"bt", nb::cast(c.bt)}, {"bk", nb::cast(c.bk)}, {"stages", nb::cast(c.stages)}, {"warps", nb::cast(c.warps)}, {"mma", nb::cast(c.mma == 1 ? "wgmma" : "mma.sync")}, {"ctas", nb::cast(c.ctas)}});
+  return make_dict({{"name", nb::cast(c.name())},
+                    {"bn", nb::cast(c.bn)},
+                    {"bt", nb::cast(c.bt)},
+                    {"bk", nb::cast(c.bk)},
+                    {"stages", nb::cast(c.stages)},
+                    {"warps", nb::cast(c.warps)},
+                    {"mma", nb::cast(c.mma == 1 ? "wgmma" : "mma.sync")},
+                    {"ctas", nb::cast(c.ctas)}});
 }
 
 TuneProblem gemm_problem(const MoeConfig& m, int g) {
@@ -851,8 +915,9 @@ TuneProblem gemm_problem(const MoeConfig& m, int g) {
   pr.top_k = m.top_k;
   pr.n = g == 1 ? m.gemm1_n() : m.gemm2_n();
   pr.k = g == 1 ? m.gemm1_k() : m.gemm2_k();
-  pr.epilogue = g == 1 ? (m.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU)
-                       : GemmEpilogue::kPlain;
+  pr.epilogue = g == 1
+                    ? (m.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU)
+                    : GemmEpilogue::kPlain;
   return pr;
 }
 
@@ -889,9 +954,23 @@ nb::dict explain_py(std::optional<std::string> tile, std::optional<std::string> 
       r["config"] = tile_of(cfg);
       r["well_formed"] = tile_config_well_formed(cfg);
       if (tile_config_well_formed(cfg)) {
-        r["smem"] = make_dict({{"lines", nb::cast(lines_of(p.smem.lines))}, {"stage_bytes", nb::cast(p.smem.stage_bytes)}, {"sched_bytes", nb::cast(p.smem.sched_bytes)}, {"total_bytes", nb::cast(p.smem.total_bytes)}, {"padding_bytes", nb::cast(p.smem.padding_bytes)}, {"max_stages_that_fit", nb::cast(p.max_stages_that_fit)}});
-        r["registers"] = make_dict({{"estimate", nb::cast(p.regs.estimate)}, {"launch_bounds_cap", nb::cast(p.regs.launch_bounds_cap)}, {"expected", nb::cast(p.regs.expected)}, {"min_blocks", nb::cast(p.regs.min_blocks)}, {"formula", nb::cast(p.regs.formula)}});
-        r["occupancy"] = make_dict({{"by_smem", nb::cast(p.occ.by_smem)}, {"by_registers", nb::cast(p.occ.by_registers)}, {"by_threads", nb::cast(p.occ.by_threads)}, {"by_cta_cap", nb::cast(p.occ.by_cta_cap)}, {"ctas_per_sm", nb::cast(p.occ.ctas_per_sm)}, {"limiter", nb::cast(p.occ.limiter)}});
+        r["smem"] = make_dict({{"lines", nb::cast(lines_of(p.smem.lines))},
+                               {"stage_bytes", nb::cast(p.smem.stage_bytes)},
+                               {"sched_bytes", nb::cast(p.smem.sched_bytes)},
+                               {"total_bytes", nb::cast(p.smem.total_bytes)},
+                               {"padding_bytes", nb::cast(p.smem.padding_bytes)},
+                               {"max_stages_that_fit", nb::cast(p.max_stages_that_fit)}});
+        r["registers"] = make_dict({{"estimate", nb::cast(p.regs.estimate)},
+                                    {"launch_bounds_cap", nb::cast(p.regs.launch_bounds_cap)},
+                                    {"expected", nb::cast(p.regs.expected)},
+                                    {"min_blocks", nb::cast(p.regs.min_blocks)},
+                                    {"formula", nb::cast(p.regs.formula)}});
+        r["occupancy"] = make_dict({{"by_smem", nb::cast(p.occ.by_smem)},
+                                    {"by_registers", nb::cast(p.occ.by_registers)},
+                                    {"by_threads", nb::cast(p.occ.by_threads)},
+                                    {"by_cta_cap", nb::cast(p.occ.by_cta_cap)},
+                                    {"ctas_per_sm", nb::cast(p.occ.ctas_per_sm)},
+                                    {"limiter", nb::cast(p.occ.limiter)}});
         if (model) {
           const MoeConfig& m = *model;
           const double rows = static_cast<double>(T) * m.top_k / m.num_experts;
@@ -903,9 +982,20 @@ nb::dict explain_py(std::optional<std::string> tile, std::optional<std::string> 
             const WorkEstimate w = work_estimate(GemmProblem::uniform(m.num_experts, rr, pr.n, pr.k), cfg.bn, cfg.bt,
                                                  arch.num_sms, p.occ.ctas_per_sm);
             for (const auto& f : pv.failures) v.fail(fmt::format("GEMM{}: {}", g, f));
-            gemms.append(make_dict({{"gemm", nb::cast(g)}, {"n", nb::cast(pr.n)}, {"k", nb::cast(pr.k)}, {"tiles", nb::cast(w.tiles)}, {"slots", nb::cast(w.slots)}, {"waves", nb::cast(w.waves)}, {"full_waves", nb::cast(w.full_waves)}, {"last_wave_fill", nb::cast(w.last_wave_fill)}, {"verdict", nb::cast(verdict_of(pv))}}));
+            gemms.append(make_dict({{"gemm", nb::cast(g)},
+                                    {"n", nb::cast(pr.n)},
+                                    {"k", nb::cast(pr.k)},
+                                    {"tiles", nb::cast(w.tiles)},
+                                    {"slots", nb::cast(w.slots)},
+                                    {"waves", nb::cast(w.waves)},
+                                    {"full_waves", nb::cast(w.full_waves)},
+                                    {"last_wave_fill", nb::cast(w.last_wave_fill)},
+                                    {"verdict", nb::cast(verdict_of(pv))}}));
           }
-          r["problem"] = make_dict({{"model", nb::cast(m.name)}, {"tokens", nb::cast(T)}, {"rows_per_expert", nb::cast(rows)}, {"gemms", nb::cast(gemms)}});
+          r["problem"] = make_dict({{"model", nb::cast(m.name)},
+                                    {"tokens", nb::cast(T)},
+                                    {"rows_per_expert", nb::cast(rows)},
+                                    {"gemms", nb::cast(gemms)}});
         }
       }
       r["verdict"] = verdict_of(v);
@@ -934,7 +1024,13 @@ nb::dict explain_py(std::optional<std::string> tile, std::optional<std::string> 
         const TuneLookup l = choose_config(pr, T, arch.num_sms);
         const Sm80Plan p = plan_sm80(*l.config, arch);
         const Verdict pv = check_problem_sm80(*l.config, pr.n, pr.k, pr.experts);
-        picks.append(make_dict({{"gemm", nb::cast(g)}, {"n", nb::cast(pr.n)}, {"k", nb::cast(pr.k)}, {"config", nb::cast(tile_of(*l.config))}, {"source", nb::cast(l.source)}, {"reason", nb::cast(l.reason)}, {"valid_here", nb::cast(p.verdict.valid && pv.valid)}}));
+        picks.append(make_dict({{"gemm", nb::cast(g)},
+                                {"n", nb::cast(pr.n)},
+                                {"k", nb::cast(pr.k)},
+                                {"config", nb::cast(tile_of(*l.config))},
+                                {"source", nb::cast(l.source)},
+                                {"reason", nb::cast(l.reason)},
+                                {"valid_here", nb::cast(p.verdict.valid && pv.valid)}}));
       }
       r["picks"] = picks;
       r["model"] = model->name;
@@ -964,7 +1060,17 @@ nb::dict explain_py(std::optional<std::string> tile, std::optional<std::string> 
       }
       const CutlassSm120Plan p = plan_cutlass_sm120(t, stages, epi, arch.smem_optin_per_block);
       if (tiles.size() == 1 && !p.verdict.valid) all = p.verdict;
-      plans.append(make_dict({{"tile", nb::cast(fmt::format("{}x{}x{}", t.m, t.n, t.k))}, {"stages", nb::cast(p.stages)}, {"auto_stages", nb::cast(p.auto_stages)}, {"per_stage_bytes", nb::cast(p.per_stage)}, {"footprint_bytes", nb::cast(p.footprint)}, {"capacity_bytes", nb::cast(p.capacity)}, {"over_by_bytes", nb::cast(p.over_by)}, {"ignored_by_auto_bytes", nb::cast(p.ignored_by_auto)}, {"max_stages_that_fit", nb::cast(p.max_stages_that_fit)}, {"lines", nb::cast(lines_of(p.lines))}, {"verdict", nb::cast(verdict_of(p.verdict))}}));
+      plans.append(make_dict({{"tile", nb::cast(fmt::format("{}x{}x{}", t.m, t.n, t.k))},
+                              {"stages", nb::cast(p.stages)},
+                              {"auto_stages", nb::cast(p.auto_stages)},
+                              {"per_stage_bytes", nb::cast(p.per_stage)},
+                              {"footprint_bytes", nb::cast(p.footprint)},
+                              {"capacity_bytes", nb::cast(p.capacity)},
+                              {"over_by_bytes", nb::cast(p.over_by)},
+                              {"ignored_by_auto_bytes", nb::cast(p.ignored_by_auto)},
+                              {"max_stages_that_fit", nb::cast(p.max_stages_that_fit)},
+                              {"lines", nb::cast(lines_of(p.lines))},
+                              {"verdict", nb::cast(verdict_of(p.verdict))}}));
     }
     r["plans"] = plans;
     r["verdict"] = verdict_of(all);
@@ -1020,17 +1126,18 @@ NB_MODULE(_ext, m) {
           "'softmax', 'sigmoid_grouped' or 'gpt_oss'")
       .def_prop_rw(
           "activation", [](const MoeConfig& c) { return std::string(activation_name(c.activation)); },
-          [](MoeConfig& c, const std::string& s) { c.activation = activation_from(s); },
-          "'swiglu' or 'gpt_oss_swiglu'")
+          [](MoeConfig& c, const std::string& s) { c.activation = activation_from(s); }, "'swiglu' or 'gpt_oss_swiglu'")
       .def_prop_rw(
           "format", [](const MoeConfig& c) { return std::string(format_name(c.format)); },
           [](MoeConfig& c, const std::string& s) { c.format = format_from(s); }, "'nvfp4' or 'mxfp4'")
-      .def("validate", [](const MoeConfig& c) { validate_moe_layer_config(c); },
-           "Raises fp4moe.Error naming the field and the rule when the GPU layer cannot run this config.")
+      .def(
+          "validate", [](const MoeConfig& c) { validate_moe_layer_config(c); },
+          "Raises fp4moe.Error naming the field and the rule when the GPU layer cannot run this config.")
       .def("__copy__", [](const MoeConfig& c) { return c; });
 
-  m.def("preset", [](const std::string& name) { return preset(name); }, "name"_a,
-        "A copy of a model preset (fp4moe.preset_names()).");
+  m.def(
+      "preset", [](const std::string& name) { return preset(name); }, "name"_a,
+      "A copy of a model preset (fp4moe.preset_names()).");
   m.def("preset_names", &preset_names);
   m.def("gpu_available", &gpu_available, "True when a CUDA device is usable by this process.");
   m.def("device_count", []() {
@@ -1047,17 +1154,19 @@ NB_MODULE(_ext, m) {
     FP4MOE_CUDA_CHECK(cudaGetDevice(&d));
     return d;
   });
-  m.def("workspace_layout_bytes", [](const MoeConfig& c, int64_t max_tokens, bool router_gemm) {
-    return moe_workspace_layout(c, max_tokens, router_gemm).total;
-  }, "config"_a, "max_tokens"_a, "router_weight"_a = false);
+  m.def(
+      "workspace_layout_bytes",
+      [](const MoeConfig& c, int64_t max_tokens, bool router_gemm) {
+        return moe_workspace_layout(c, max_tokens, router_gemm).total;
+      },
+      "config"_a, "max_tokens"_a, "router_weight"_a = false);
 
   nb::class_<Layer>(m, "Layer")
       .def(nb::init<const MoeConfig&, const nb::dict&, int64_t, int, int64_t>(), "config"_a, "weights"_a,
            "max_tokens"_a, "device"_a, "stream"_a)
       .def("forward", &Layer::forward, "hidden"_a.none(), "router_logits"_a.none(), "topk_ids"_a.none(),
            "topk_weights"_a.none(), "out"_a.none(), "stream"_a)
-      .def("route", &Layer::route, "router_logits"_a.none(), "topk_ids"_a.none(), "topk_weights"_a.none(),
-           "stream"_a)
+      .def("route", &Layer::route, "router_logits"_a.none(), "topk_ids"_a.none(), "topk_weights"_a.none(), "stream"_a)
       .def("take_routing_error", &Layer::take_routing_error)
       .def("bench_cpp_forward", &Layer::bench_cpp_forward, "hidden"_a.none(), "router_logits"_a.none(),
            "topk_ids"_a.none(), "topk_weights"_a.none(), "out"_a.none(), "stream"_a, "iters"_a)
