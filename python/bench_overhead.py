@@ -14,13 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import sys
 import time
 
-import torch
+# Run as `python python/bench_overhead.py`, Python would put python/ (the package's sources, without the
+# compiled module) ahead of the installed fp4moe.
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
-import fp4moe
-import fp4moe.torch_ops  # noqa: F401  (registers torch.ops.fp4moe.*)
+import torch  # noqa: E402
+
+import fp4moe  # noqa: E402
+import fp4moe.torch_ops  # noqa: E402, F401  (registers torch.ops.fp4moe.*)
 
 
 def random_weights(cfg, seed=0):
@@ -59,6 +66,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--json", default="")
     a = ap.parse_args()
+    if not (torch.cuda.is_available() and fp4moe.gpu_available()):
+        raise SystemExit("bench_overhead: needs a CUDA GPU (sm_90a) and torch with CUDA")
 
     cfg = fp4moe.preset(a.preset)
     layer = fp4moe.MoeLayer(cfg, random_weights(cfg), max_tokens=a.tokens)

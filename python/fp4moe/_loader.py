@@ -44,6 +44,11 @@ def load():
     try:
         return importlib.import_module("fp4moe._ext")
     except ImportError as e:
+        if isinstance(e, ModuleNotFoundError):
+            raise ImportError(
+                f"fp4moe: the compiled module fp4moe._ext is missing next to {__file__}: this is the package's "
+                "source directory, not an installed fp4moe (pip install . first, and import it from elsewhere)"
+            ) from e
         if "libcublas" not in str(e) or not _preload_cublas():
             raise ImportError(
                 f"fp4moe: the compiled module could not be loaded ({e}). It needs the CUDA 13 runtime "

@@ -75,10 +75,29 @@ def _copy(cfg: Config) -> Config:
     return c
 
 
+_STR_FIELDS = ("name", "router", "activation", "format")
+_BOOL_FIELDS = ("renormalize", "expert_bias")
+_FLOAT_FIELDS = ("routed_scaling", "swiglu_alpha", "swiglu_limit")
+
+
+def _check_type(k: str, v: Any, where: str) -> None:
+    if k in _STR_FIELDS:
+        ok = isinstance(v, str)
+    elif k in _BOOL_FIELDS:
+        ok = isinstance(v, bool)
+    elif k in _FLOAT_FIELDS:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    else:
+        ok = isinstance(v, int) and not isinstance(v, bool)
+    if not ok:
+        raise TypeError(f"{where}: field '{k}' = {v!r} is a {type(v).__name__}")
+
+
 def _set_fields(cfg: Config, fields: Mapping, where: str) -> Config:
     for k, v in fields.items():
         if k not in FIELDS:
             raise ValueError(f"{where}: unknown field '{k}'; fp4moe config fields are: {', '.join(FIELDS)}")
+        _check_type(k, v, where)
         try:
             setattr(cfg, k, v)
         except TypeError as e:

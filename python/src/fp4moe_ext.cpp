@@ -158,7 +158,9 @@ const DLPackExchangeAPI* exchange_api(PyTypeObject* tp) {
     nb::object type;
     const DLPackExchangeAPI* api;
   };
-  static std::unordered_map<PyTypeObject*, Entry> cache;
+  // Never destroyed: its entries hold Python references, which must not be released after the
+  // interpreter has shut down (static destructors run after Py_Finalize).
+  static auto& cache = *new std::unordered_map<PyTypeObject*, Entry>();
   if (auto it = cache.find(tp); it != cache.end()) return it->second.api;
   const DLPackExchangeAPI* api = nullptr;
   PyObject* cap = PyObject_GetAttrString(reinterpret_cast<PyObject*>(tp), kExchangeAttr);
@@ -1088,6 +1090,8 @@ NB_MODULE(_ext, m) {
   using namespace fp4moe::py;
   m.doc() = "fp4moe's C++ core (private; use the fp4moe package)";
   m.attr("__version__") = FP4MOE_VERSION;
+  // Layers kept alive until interpreter exit (module globals of user code) are not leaks worth a warning.
+  nb::set_leak_warnings(false);
 
   // fp4moe.Error: a bad config or a CUDA failure from the library. Both a ValueError and a
   // RuntimeError, so that `except ValueError` around bad input and `except RuntimeError` both work.

@@ -293,7 +293,7 @@ def test_router_weight_computes_the_logits():
     ids, weights, margin = route_oracle(torch, cfg, logits, w["router_bias"])
     ok = margin > 1e-3  # tokens whose routing is unambiguous
     ref = moe_oracle(torch, cfg, w, hidden, ids, weights)
-    assert ok.sum() >= 8
+    assert ok.sum() >= 4
     assert rel_l2(out[ok], ref[ok]) < REL_L2
 
 

@@ -156,3 +156,9 @@ def test_workspace_size_is_known_without_a_gpu():
     c = fp4moe.preset("glm-5")
     small, big = fp4moe._ext.workspace_layout_bytes(c, 1), fp4moe._ext.workspace_layout_bytes(c, 4096)
     assert 0 < small < big
+
+
+def test_examples_and_benchmark_compile():
+    for rel in ("examples/torch_moe_layer.py", "examples/vllm_experts.py", "python/bench_overhead.py"):
+        path = os.path.join(REPO, rel)
+        compile(open(path).read(), path, "exec")
