@@ -907,7 +907,9 @@ nb::dict tile_of(const TileConfig& c) {
                     {"bk", nb::cast(c.bk)},
                     {"stages", nb::cast(c.stages)},
                     {"warps", nb::cast(c.warps)},
-                    {"mma", nb::cast(c.mma == 1 ? "wgmma" : "mma.sync")},
+                    {"mma", nb::cast(c.mma == 0   ? std::string("mma.sync")
+                                     : c.mma == 1 ? std::string("wgmma")
+                                                  : fmt::format("mma kind {}", c.mma))},
                     {"ctas", nb::cast(c.ctas)}});
 }
 
