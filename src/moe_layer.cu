@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <utility>
 
 #include "fp4moe/cuda_check.hpp"
@@ -337,9 +338,14 @@ struct MoeLayer::Impl {
   // the constructor so forward() never reads the cache file.
   std::vector<MoeResolvedTileConfigs> auto_tiles;
   MoeWorkspaceLayout layout;
+  // forward_routed's bad-id record (moe_routing_given.cuh): host memory mapped into the device, so the
+  // host reads it without synchronizing. routing_error_dev is its device alias.
+  unsigned long long* routing_error_host = nullptr;
+  unsigned long long* routing_error_dev = nullptr;
 
   ~Impl() {
     if (cublas != nullptr) cublasDestroy(cublas);
+    if (routing_error_host != nullptr) cudaFreeHost(routing_error_host);
   }
 };
 
@@ -374,6 +380,10 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
     FP4MOE_CUBLAS_CHECK(cublasSetWorkspace(m.cublas, m.cublas_workspace.get(), kCublasWorkspaceBytes));
   }
   m.auto_tiles = detail::resolve_auto_tiles(cfg, max_tokens, m.num_sms);
+  FP4MOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&m.routing_error_host), sizeof(unsigned long long),
+                                  cudaHostAllocMapped));
+  *m.routing_error_host = 0;
+  FP4MOE_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&m.routing_error_dev), m.routing_error_host, 0));
   // The copies read the caller's buffers asynchronously; finishing here lets the caller free them.
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
@@ -438,16 +448,11 @@ void MoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens, 
   FP4MOE_REQUIRE(device == m.device,
                  "MoeLayer::forward: current device {} differs from device {} the layer was built on", device,
                  m.device);
+  throw_pending_routing_error("MoeLayer::forward");
 
   const MoeIntermediates ws = intermediates(workspace);
-  char* base = static_cast<char*>(workspace);
-  int32_t* chunk_counts = reinterpret_cast<int32_t*>(base + m.layout.chunk_counts);
-  int32_t* shared_offsets = reinterpret_cast<int32_t*>(base + m.layout.shared_offsets);
-  void* shared_gemm1_out = base + m.layout.shared_gemm1_out;
-  const MoeResolvedTileConfigs tiles = tile_configs(tokens);
-  const int E = c.num_experts, k = c.top_k;
-  const int64_t H = c.hidden, n = tokens * k;
-  (void)E;
+  const int E = c.num_experts;
+  const int64_t H = c.hidden;
   auto mark = [&](int i) {
     if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(stage_events[i], stream));
   };
@@ -468,9 +473,28 @@ void MoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens, 
   }
   moe_route(c, logits, m.router_bias.as<float>(), tokens, ws.topk_ids, ws.topk_weights, stream);
   mark(1);
+  forward_experts(stream, hidden, tokens, ws.topk_ids, ws.topk_weights, out, workspace, stage_events);
+}
+
+void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t tokens, const int32_t* topk_ids,
+                               const float* topk_weights, void* out, void* workspace,
+                               const cudaEvent_t* stage_events) const {
+  const Impl& m = *impl_;
+  const MoeConfig& c = m.cfg;
+  const MoeIntermediates ws = intermediates(workspace);
+  char* base = static_cast<char*>(workspace);
+  int32_t* chunk_counts = reinterpret_cast<int32_t*>(base + m.layout.chunk_counts);
+  int32_t* shared_offsets = reinterpret_cast<int32_t*>(base + m.layout.shared_offsets);
+  void* shared_gemm1_out = base + m.layout.shared_gemm1_out;
+  const MoeResolvedTileConfigs tiles = tile_configs(tokens);
+  const int E = c.num_experts, k = c.top_k;
+  const int64_t H = c.hidden, n = tokens * k;
+  auto mark = [&](int i) {
+    if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(stage_events[i], stream));
+  };
 
   // ---- permutation + gather ----
-  moe_permute_gather(E, k, tokens, ws.topk_ids, ws.topk_weights, chunk_counts, ws.expert_offsets, ws.row_of,
+  moe_permute_gather(E, k, tokens, topk_ids, topk_weights, chunk_counts, ws.expert_offsets, ws.row_of,
                      ws.row_scale, c.num_shared > 0 ? shared_offsets : nullptr, hidden, H, ws.sorted_hidden,
                      stream);  // one launch when tokens * k <= 4096
   mark(2);
@@ -497,6 +521,51 @@ void MoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens, 
   // ---- combine ----
   moe_combine(ws.gemm2_out, ws.shared_gemm2_out, ws.row_of, k, tokens, H, out, stream);
   mark(5);
+}
+
+void MoeLayer::throw_pending_routing_error(const char* fn) const {
+  const std::string e = take_routing_error();
+  FP4MOE_REQUIRE(e.empty(), "{}: {}", fn, e);
+}
+
+std::string MoeLayer::take_routing_error() const {
+  const Impl& m = *impl_;
+  // The device writes the record with a plain store; an atomic exchange on the host side reads and
+  // clears it without losing a record written in between by a kernel still running.
+  const unsigned long long r =
+      std::atomic_ref<unsigned long long>(*m.routing_error_host).exchange(0, std::memory_order_acq_rel);
+  return describe_routing_error(r, m.cfg.top_k, m.cfg.num_experts);
+}
+
+void MoeLayer::forward_routed(cudaStream_t stream, const void* hidden, int64_t tokens, const int32_t* topk_ids,
+                              const float* topk_weights, void* out, void* workspace, size_t workspace_size,
+                              const cudaEvent_t* stage_events) const {
+  const Impl& m = *impl_;
+  validate_moe_routed_args(m.cfg, m.max_tokens, m.layout.total, hidden, tokens, topk_ids, topk_weights, out,
+                           workspace, workspace_size);
+  int device = -1;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  FP4MOE_REQUIRE(device == m.device,
+                 "MoeLayer::forward_routed: current device {} differs from device {} the layer was built on",
+                 device, m.device);
+  throw_pending_routing_error("MoeLayer::forward_routed");
+  const MoeIntermediates ws = intermediates(workspace);
+  if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(stage_events[0], stream));
+  moe_routing_given(m.cfg.num_experts, tokens * m.cfg.top_k, topk_ids, topk_weights, ws.topk_ids,
+                    ws.topk_weights, m.routing_error_dev, stream);
+  if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(stage_events[1], stream));
+  forward_experts(stream, hidden, tokens, ws.topk_ids, ws.topk_weights, out, workspace, stage_events);
+}
+
+void MoeLayer::route(cudaStream_t stream, const float* router_logits, int64_t tokens, int32_t* topk_ids,
+                     float* topk_weights) const {
+  const Impl& m = *impl_;
+  FP4MOE_REQUIRE(tokens >= 1 && tokens <= m.max_tokens, "MoeLayer::route: tokens = {} must be in [1, max_tokens = {}]",
+                 tokens, m.max_tokens);
+  FP4MOE_REQUIRE(router_logits != nullptr && reinterpret_cast<uintptr_t>(router_logits) % 4 == 0,
+                 "MoeLayer::route: router_logits = {} must be a non-null, 4-byte aligned fp32 [T, E] device pointer",
+                 static_cast<const void*>(router_logits));
+  moe_route(m.cfg, router_logits, m.router_bias.as<float>(), tokens, topk_ids, topk_weights, stream);
 }
 
 }  // namespace fp4moe

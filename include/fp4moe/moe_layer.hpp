@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -145,6 +146,23 @@ void moe_gather(const void* hidden, int64_t tokens, int64_t hidden_size, const i
 void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens,
                  int64_t hidden_size, void* out, cudaStream_t stream);
 
+// ---- Routing given by the caller (MoeLayer::forward_routed) ----
+// Host-only checks of forward_routed's arguments (no GPU needed; forward_routed runs them first).
+// workspace_bytes: the layer's workspace_bytes().
+void validate_moe_routed_args(const MoeConfig& cfg, int64_t max_tokens, size_t workspace_bytes,
+                              const void* hidden, int64_t tokens, const int32_t* topk_ids,
+                              const float* topk_weights, const void* out, const void* workspace,
+                              size_t workspace_size);
+// A routing error record of forward_routed (kernels/moe_routing_given.cuh: ((flat index + 1) << 32) |
+// id) as a sentence naming the token, the slot and the id; "" for 0 (no error).
+std::string describe_routing_error(uint64_t record, int top_k, int num_experts);
+// ids/weights [n] -> ids_out/weights_out [n] with every id outside [0, E) replaced by (0, 0.0f); a bad
+// id other than -1 is written to error_record (host-mapped, or null). Device pointers, no sync.
+void moe_routing_given(int num_experts, int64_t n, const int32_t* ids, const float* weights, int32_t* ids_out,
+                       float* weights_out, unsigned long long* error_record, cudaStream_t stream);
+// bf16 [n] -> fp32 [n] (router logits given in bf16). Device pointers, no sync.
+void moe_logits_bf16_to_fp32(const void* logits_bf16, int64_t n, float* out, cudaStream_t stream);
+
 class MoeLayer {
  public:
   // Validates, repacks the expert weights once (repack_nvfp4_weights_device; gate/up interleaved for
@@ -176,9 +194,38 @@ class MoeLayer {
   void set_tile_configs(const MoeTileConfigs& tiles);
   MoeResolvedTileConfigs tile_configs(int64_t tokens) const;
 
+  // Routing given by the caller (an engine's own router, as vLLM / SGLang / FlashInfer pass it):
+  // topk_ids int32 [T, k] and topk_weights fp32 [T, k], device memory. Slot s of token t adds
+  // topk_weights[t, s] * expert_{topk_ids[t, s]}(hidden[t]); the shared expert (if any) is added as in
+  // forward(). The weights are used AS GIVEN: cfg.routed_scaling and cfg.renormalize belong to the
+  // layer's own router (forward()), which applies them once; here the caller's weights already are
+  // the final ones. The routing stage is replaced by one copy kernel into the workspace
+  // (kernels/moe_routing_given.cuh), so the launch count equals forward()'s.
+  // Ids outside [0, E): the slot contributes nothing (never an out-of-bounds access). -1 is the
+  // expert-parallel "expert not on this rank" convention and is skipped silently; any other bad id is
+  // recorded on the device and reported by the next forward() / forward_routed() (which throws
+  // fp4moe::Error naming the token, slot and id, before doing anything) or by take_routing_error().
+  // Same rules as forward() otherwise: never synchronizes, allocates nothing, graph-capturable.
+  void forward_routed(cudaStream_t stream, const void* hidden, int64_t tokens, const int32_t* topk_ids,
+                      const float* topk_weights, void* out, void* workspace, size_t workspace_size,
+                      const cudaEvent_t* stage_events = nullptr) const;
+  // The layer's routing stage alone: fp32 logits [T, E] -> topk_ids [T, k], topk_weights [T, k]
+  // (routed_scaling applied), with the layer's router bias. forward_routed on its result equals
+  // forward(logits) bit for bit.
+  void route(cudaStream_t stream, const float* router_logits, int64_t tokens, int32_t* topk_ids,
+             float* topk_weights) const;
+  // The bad-id record of an earlier forward_routed as a sentence ("" if none), and clears it. The
+  // device writes it asynchronously: a call made before that kernel ran cannot see it yet.
+  std::string take_routing_error() const;
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+  void throw_pending_routing_error(const char* fn) const;
+  // Everything after routing: permutation, the GEMMs, the combine (stage events 1..5).
+  void forward_experts(cudaStream_t stream, const void* hidden, int64_t tokens, const int32_t* topk_ids,
+                       const float* topk_weights, void* out, void* workspace,
+                       const cudaEvent_t* stage_events) const;
 };
 
 // ---- Synthetic layers generated on the device (benchmarks, large tests) ----
