@@ -95,15 +95,6 @@ LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& c
 
 bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
-// Stream configs' L2 prefetch distance (64-K chunks ahead of the register ring). FP4MOE_STREAM_PREFETCH
-// overrides it (a measuring knob, read once).
-int stream_prefetch_chunks() {
-  static const int v = [] {
-    const char* e = std::getenv("FP4MOE_STREAM_PREFETCH");
-    return e != nullptr ? std::max(0, std::atoi(e)) : 0;
-  }();
-  return v;
-}
 
 }  // namespace
 
@@ -196,7 +187,6 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   p.limit = args.swiglu_limit;
   p.scale_mul = 16u;  // NVFP4 E4M3 block scales (decode_scale_pair)
   p.scale_add = layout::kScaleBias;
-  p.prefetch_chunks = stream_prefetch_chunks();
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;

@@ -146,9 +146,11 @@ inline constexpr TileConfig kGemmConfigs[] = {
     // (Little's law at 4.5 TB/s x ~2 us needs ~35 KB); no K pipeline barrier. bt 8 covers T <= ~128 for
     // GLM-like shapes (<= 8 rows per active expert), bt 16 up to ~256.
     {384, 8, 64, 4, 24, 2, 1},
+    {512, 8, 64, 3, 32, 2, 1},   // 8 warps per scheduler (64 registers), a 3-deep ring
+    {512, 8, 64, 4, 32, 2, 1},
+    {384, 8, 64, 5, 24, 2, 1},
     {192, 8, 64, 4, 12, 2, 2},   // two CTAs per SM: one CTA's round barrier overlaps the other's stream
     {384, 16, 64, 4, 24, 2, 1},
-    {256, 8, 64, 6, 16, 2, 1},   // fewer warps (127 registers), deeper ring: as many bytes in flight
     {192, 16, 64, 4, 12, 2, 2},  // two CTAs per SM only where 16 x K x 2 B of rows allow it (GEMM2)
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);

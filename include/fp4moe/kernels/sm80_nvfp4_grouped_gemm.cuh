@@ -63,7 +63,6 @@ struct GroupedGemmParams {
   // pair * scale_mul + scale_add (NVFP4 E4M3: 16, (236 << 7) | (236 << 23), decode_scale_pair's constants).
   uint32_t scale_mul;
   uint32_t scale_add;
-  int prefetch_chunks;  // stream configs: L2 prefetch distance in 64-K chunks (0: none)
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

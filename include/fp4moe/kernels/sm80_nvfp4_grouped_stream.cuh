@@ -45,17 +45,6 @@ __device__ __forceinline__ uint4 ldg_stream_v4(const uint8_t* ptr) {
                : "l"(ptr));
   return r;
 }
-// Asks L2 to fetch [ptr, ptr + bytes) from DRAM (Hopper's bulk prefetch; no registers, no completion):
-// the register ring then only has to cover L2's latency, so more bytes are in flight than registers hold.
-__device__ __forceinline__ void prefetch_l2(const uint8_t* ptr, uint32_t bytes, bool pred) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.bulk.prefetch.L2.global [%0], %1;\n}\n" ::"l"(ptr),
-      "r"(bytes), "r"(static_cast<uint32_t>(pred)));
-#else
-  (void)ptr, (void)bytes, (void)pred;
-#endif
-}
 __device__ __forceinline__ uint2 ldg_stream_v2(const uint8_t* ptr) {
   uint2 r;
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(ptr));
@@ -82,11 +71,13 @@ struct StreamWarpState {
 };
 static_assert(sizeof(StreamWarpState) == kStreamWarpStateBytes, "the layout reserves kStreamWarpStateBytes per warp");
 
-// Where a warp's weights come from next: this lane's 16 B of codes and 8 B of scales, and how many chunks
-// are left in the cursor's round (-1: no more).
+// Where a warp's weights come from next: chunk q of the cursor's range is this lane's 16 B of codes at
+// lc + q * 512 and 8 B of scales at ls + q * 64 (one IMAD.WIDE each); `left` chunks remain in the
+// range (-1: no more ranges).
 struct StreamCursor {
   const uint8_t* lc;
   const uint8_t* ls;
+  int q;
   int left;
 };
 // The math's next piece: chunks in it (0: the CTA is done), this lane's ldmatrix address for its first
@@ -135,7 +126,7 @@ __device__ __noinline__ StreamCursor stream_cursor_next(const GroupedGemmParams&
   const StreamGeometry<BT, WARPS> G(p, smem);
   StreamWarpState& ws = G.ws();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  StreamCursor c{nullptr, nullptr, 0};
+  StreamCursor c{nullptr, nullptr, 0, 0};
   int lru = ws.lru;
   const int u1 = ws.u1;
   while (c.left == 0 && lru < u1) {
@@ -334,20 +325,11 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   StreamCursor cur = stream_cursor_next<BT, WARPS>(p, smem);
   uint4 ring_c[DEPTH];
   uint2 ring_s[DEPTH];
-  // L2 prefetch distance in chunks (0: off): once per turn of the ring (slot 0), lane 0 asks L2 for the
-  // DEPTH chunks that lie pf chunks ahead (codes and scales are each contiguous along the cursor).
-  const int pf = p.prefetch_chunks;
-  auto issue = [&](uint4& rc, uint2& rs, bool slot0) {
+  auto issue = [&](uint4& rc, uint2& rs) {
     if (cur.left > 0) {
-      if (slot0 && pf > 0) {
-        const bool go = lane == 0 && cur.left >= pf + DEPTH;
-        prefetch_l2(cur.lc + pf * 512, DEPTH * 512, go);
-        prefetch_l2(cur.ls + pf * 64, DEPTH * 64, go);
-      }
-      rc = ldg_stream_v4(cur.lc);
-      rs = ldg_stream_v2(cur.ls);
-      cur.lc += 512;
-      cur.ls += 64;
+      rc = ldg_stream_v4(cur.lc + static_cast<uint32_t>(cur.q) * 512u);
+      rs = ldg_stream_v2(cur.ls + static_cast<uint32_t>(cur.q) * 64u);
+      ++cur.q;
       --cur.left;
     }
   };
@@ -356,7 +338,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     ring_c[d] = make_uint4(0, 0, 0, 0);
     ring_s[d] = make_uint2(0, 0);
     if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
-    issue(ring_c[d], ring_s[d], false);
+    issue(ring_c[d], ring_s[d]);
   }
 
   // ---- math ----
@@ -376,7 +358,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   StreamPiece pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(0, 0, 0, 0), make_float4(0, 0, 0, 0));
 
   // One K chunk (four k16 steps) of the current m-tile from a ring slot, then refill the slot.
-  auto step = [&](uint4& words, uint2& sc, bool slot0) {
+  auto step = [&](uint4& words, uint2& sc) {
     uint32_t b[NT][4];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -399,7 +381,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     }
     pc.act_ptr += 128;
     --pc.cleft;
-    issue(words, sc, slot0);  // the cursor's round changes are events (cur.left == 0), handled outside the ring
+    issue(words, sc);  // the cursor's round changes are events (cur.left == 0), handled outside the ring
   };
 
   // The ring is consumed in load order: slot (chunk sequence number % DEPTH). Events (a piece or round
@@ -416,7 +398,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
         ph = d;                                                    \
         break;                                                     \
       }                                                            \
-      step(ring_c[d < DEPTH ? d : 0], ring_s[d < DEPTH ? d : 0], d == 0); \
+      step(ring_c[d < DEPTH ? d : 0], ring_s[d < DEPTH ? d : 0]);  \
     }                                                              \
     [[fallthrough]];
       FP4MOE_STREAM_SLOT(0)
