@@ -126,6 +126,9 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
     FP4MOE_REQUIRE(xa->max_rows > 0 && xa->max_rows <= INT_MAX, "extra weight set: max_rows = {} must be in [1, {}]",
                    xa->max_rows, INT_MAX);
     FP4MOE_REQUIRE(xa->row_scale == nullptr, "extra weight set: row_scale is not supported");
+    FP4MOE_REQUIRE(xw->format == w.format, "extra weight set: format {} must equal the routed set's {} (one scale "
+                   "decode per launch)", xw->format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4",
+                   w.format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4");
     FP4MOE_REQUIRE(w.num_experts + 1 <= kMaxExperts + 1, "routed experts + the extra set exceed {}", kMaxExperts + 1);
   }
   const int idx = config_index(cfg);
@@ -156,6 +159,9 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   p.max_rows = static_cast<int>(args.max_rows);
   p.alpha = args.swiglu_alpha;
   p.limit = args.swiglu_limit;
+  const bool mx = w.format == WeightFormat::kMxfp4;
+  p.scale_mul = mx ? layout::kMxfp4ScaleMul : layout::kNvfp4ScaleMul;
+  p.scale_add = mx ? layout::kMxfp4ScaleAdd : layout::kNvfp4ScaleAdd;
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;
