@@ -86,7 +86,7 @@ Arch arch_of(const std::string& model_type, const std::string& architecture) {
   if (model_type == "qwen3_moe" || architecture == "Qwen3MoeForCausalLM") return Arch::kQwenMoe;
   if (model_type == "deepseek_v3" || model_type == "kimi_k2" || model_type == "glm4_moe" ||
       model_type == "glm_moe_dsa" || model_type == "deepseek_v32" || architecture == "DeepseekV3ForCausalLM" ||
-      architecture == "Glm4MoeForCausalLM")
+      architecture == "Glm4MoeForCausalLM" || architecture == "GlmMoeDsaForCausalLM")
     return Arch::kDeepSeekLike;
   if (model_type == "gpt_oss" || architecture == "GptOssForCausalLM") return Arch::kGptOss;
   if (model_type == "mixtral" || architecture == "MixtralForCausalLM") return Arch::kMixtral;
@@ -210,6 +210,15 @@ void parse_format(const json& c, const std::string& dir, CheckpointInfo& info) {
     if (algo == "NVFP4") {
       const int64_t gs = get_int_or(q, {"group_size"}, 16, file.c_str());
       FP4MOE_REQUIRE(gs == 16, "{}: group_size = {}; NVFP4 has one scale per 16 elements", file, gs);
+    } else {
+      auto ql = q.find("quantized_layers");
+      FP4MOE_REQUIRE(ql != q.end() && ql->is_object() && !ql->empty(),
+                     "{}: quant_algo MIXED_PRECISION needs a quantized_layers object (module -> quant_algo)", file);
+      for (auto it = ql->begin(); it != ql->end(); ++it) {
+        FP4MOE_REQUIRE(it->is_object(), "{}: quantized_layers[\"{}\"] must be an object", file, it.key());
+        info.quantized_layers[it.key()] = fmt::format("{}/{}", get_str_or(*it, "quant_algo", "?"),
+                                                      get_int_or(*it, {"group_size"}, 0, file.c_str()));
+      }
     }
     info.format = CheckpointFormat::kModelOptNvfp4;
     info.unquantized = string_list(q, "exclude_modules");
@@ -407,6 +416,18 @@ Nvfp4Names nvfp4_names(CheckpointFormat f, const std::string& module) {
   return {module + ".weight", module + ".weight_scale", module + ".weight_scale_2", false};
 }
 
+// MIXED_PRECISION checkpoints list each quantized module; an expert projection must be NVFP4/16.
+void check_mixed_precision(const CheckpointInfo& info, const std::string& module) {
+  if (info.quantized_layers.empty()) return;
+  auto it = info.quantized_layers.find(module);
+  FP4MOE_REQUIRE(it != info.quantized_layers.end(),
+                 "hf_quant_config.json: quantized_layers does not list '{}' (MIXED_PRECISION); fp4moe needs every "
+                 "expert projection in NVFP4", module);
+  FP4MOE_REQUIRE(it->second == "NVFP4/16",
+                 "hf_quant_config.json: quantized_layers['{}'] is {} (quant_algo/group_size); fp4moe runs NVFP4 "
+                 "experts with group size 16", module, it->second);
+}
+
 // One NVFP4 projection [n, k]: checked; its global scale returned, bytes scheduled for copying.
 struct Nvfp4Proj {
   TensorRef codes, scales;
@@ -479,6 +500,7 @@ void load_nvfp4_experts(const SafetensorsCheckpoint& ck, const CheckpointInfo& i
   std::vector<std::pair<int, std::pair<float, float>>> mismatched;  // expert, (gate, up) globals
   for (int64_t e = 0; e < E; ++e) {
     const std::string ex = fmt::format("{}.experts.{}.", P, e);
+    for (const char* nm : {gname, uname, dname}) check_mixed_precision(info, ex + nm);
     const Nvfp4Proj g = nvfp4_proj(ck, info.format, ex + gname, I, H);
     const Nvfp4Proj u = nvfp4_proj(ck, info.format, ex + uname, I, H);
     const Nvfp4Proj d = nvfp4_proj(ck, info.format, ex + dname, H, I);
@@ -527,6 +549,7 @@ void load_nvfp4_shared(const SafetensorsCheckpoint& ck, const CheckpointInfo& in
     out.shared_w2_bf16 = read_bf16(ck, S + "down_proj.weight", {H, Is});
     return;
   }
+  for (const char* nm : {"gate_proj", "up_proj", "down_proj"}) check_mixed_precision(info, S + nm);
   const Nvfp4Proj g = nvfp4_proj(ck, info.format, S + "gate_proj", Is, H);
   const Nvfp4Proj u = nvfp4_proj(ck, info.format, S + "up_proj", Is, H);
   const Nvfp4Proj d = nvfp4_proj(ck, info.format, S + "down_proj", H, Is);

@@ -17,6 +17,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -48,6 +49,9 @@ struct CheckpointInfo {
   SharedExpertStorage shared = SharedExpertStorage::kNone;  // decided from the first MoE layer's tensors
   std::vector<std::string> unquantized;  // modules the quantization config keeps in bf16 (as listed there)
   bool activation_scales = false;  // input scales present (a W4A4 recipe); fp4moe keeps activations bf16
+  // ModelOpt MIXED_PRECISION: module -> "quant_algo/group_size" from hf_quant_config.json's
+  // quantized_layers; every expert projection loaded must be listed as NVFP4 with group size 16.
+  std::map<std::string, std::string> quantized_layers;
   std::string layer_prefix(int layer) const;
 };
 

@@ -266,6 +266,30 @@ TEST(CheckpointBadFile, WrongGroupSize) {
   expect_error([&] { SafetensorsCheckpoint ck(dir3); inspect_checkpoint(ck); }, {"config.json", "group_size 128"});
 }
 
+// ModelOpt MIXED_PRECISION: the experts must be listed as NVFP4 / 16 in quantized_layers.
+TEST(CheckpointBadFile, MixedPrecisionNeedsNvfp4Experts) {
+  ScratchDir d;
+  const std::string dir = test::copy_fixture(d, kQwen);
+  auto q = nlohmann::json::parse(test::read_file(dir + "/hf_quant_config.json"));
+  q["quantization"]["quant_algo"] = "MIXED_PRECISION";
+  q["quantization"].erase("group_size");
+  nlohmann::json layers = nlohmann::json::object();
+  for (int e = 0; e < 8; ++e)
+    for (const char* p : {"gate_proj", "up_proj", "down_proj"})
+      layers[fmt::format("model.layers.1.mlp.experts.{}.{}", e, p)] = {{"quant_algo", "NVFP4"}, {"group_size", 16}};
+  layers["model.layers.0.mlp.down_proj"] = {{"quant_algo", "FP8"}};
+  q["quantization"]["quantized_layers"] = layers;
+  test::write_file(dir + "/hf_quant_config.json", q.dump());
+  EXPECT_NO_THROW(load_dir(dir, 1));
+  const std::string bad = "model.layers.1.mlp.experts.6.up_proj";
+  q["quantization"]["quantized_layers"][bad] = {{"quant_algo", "FP8"}};
+  test::write_file(dir + "/hf_quant_config.json", q.dump());
+  expect_error([&] { load_dir(dir, 1); }, {"hf_quant_config.json", bad, "FP8/0"});
+  q["quantization"]["quantized_layers"].erase(bad);
+  test::write_file(dir + "/hf_quant_config.json", q.dump());
+  expect_error([&] { load_dir(dir, 1); }, {"hf_quant_config.json", "does not list '" + bad + "'"});
+}
+
 TEST(CheckpointBadFile, UnknownFormat) {
   ScratchDir d;
   const std::string dir = test::copy_fixture(d, "llmcompressor-qwen3-moe-nvfp4");

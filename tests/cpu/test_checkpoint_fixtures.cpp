@@ -41,6 +41,8 @@ const std::vector<Expect>& fixtures() {
        R::kSigmoidGrouped, 4, 2, 2.5f},
       {"modelopt-glm4-moe-nvfp4", F::kModelOptNvfp4, "Glm4MoeForCausalLM", {1}, S::kQuantized, R::kSigmoidGrouped, 1, 1,
        2.5f},
+      {"modelopt-glm5-nvfp4", F::kModelOptNvfp4, "GlmMoeDsaForCausalLM", {1}, S::kQuantized, R::kSigmoidGrouped, 1, 1,
+       2.5f},
       {"modelopt-mixtral-nvfp4", F::kModelOptNvfp4, "MixtralForCausalLM", {0, 1}, S::kNone, R::kSoftmaxTopK, 1, 1, 1.0f},
       {"llmcompressor-qwen3-moe-nvfp4", F::kCompressedTensorsNvfp4, "Qwen3MoeForCausalLM", {1}, S::kNone,
        R::kSoftmaxTopK, 1, 1, 1.0f},

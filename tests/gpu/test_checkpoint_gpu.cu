@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -17,6 +18,8 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/format_math.hpp"
 #include "fp4moe/grouped_gemm.hpp"
+#include "fp4moe/kernels/nvfp4_dequant.cuh"
+#include "fp4moe/nvfp4_weight_layout.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
 #include "gpu_test_util.hpp"
@@ -34,7 +37,7 @@ std::string fixture(const std::string& name) { return std::string(FP4MOE_FIXTURE
 
 const char* kFixtures[] = {
     "modelopt-qwen3-moe-nvfp4",      "modelopt-qwen3-moe-nvfp4-sharded", "modelopt-deepseek-v3-nvfp4",
-    "modelopt-deepseek-v3-nvfp4-experts-only", "modelopt-glm4-moe-nvfp4", "modelopt-mixtral-nvfp4",
+    "modelopt-deepseek-v3-nvfp4-experts-only", "modelopt-glm4-moe-nvfp4", "modelopt-glm5-nvfp4", "modelopt-mixtral-nvfp4",
     "llmcompressor-qwen3-moe-nvfp4", "llmcompressor-deepseek-v3-nvfp4a16", "llmcompressor-glm4-moe-nvfp4",
     "gptoss-mxfp4",
 };
@@ -195,6 +198,54 @@ TEST(CheckpointGpu, Bf16SharedExpertIsGraphCapturable) {
 }
 
 // ---- MXFP4 ----
+
+// The kernel's own decode and dequantization on the hardware (mul.bf16x2 included): every code in
+// every value slot, every accepted scale byte b in [kMxfp4MinByte, 254], both halves of the pair.
+__global__ void mx_dequant_kernel(const uint32_t* words, const uint32_t* pairs, uint32_t* out, int count) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  uint32_t a[4];
+  kernels::dequant_fragment(words[i], kernels::decode_scale_pair(pairs[i], layout::kMxfp4ScaleMul,
+                                                                 layout::kMxfp4ScaleAdd), a);
+  for (int q = 0; q < 4; ++q) out[4 * i + q] = a[q];
+}
+
+TEST(Mxfp4Gpu, DequantFragmentIsExactOnTheHardware) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  std::vector<uint32_t> words, pairs;
+  std::vector<std::array<int, 10>> meta;  // 8 codes, b_g, b_g8
+  std::mt19937 rng(5);
+  for (int b = layout::kMxfp4MinByte; b <= 254; ++b)
+    for (int rep = 0; rep < 8; ++rep) {
+      std::array<int, 10> m{};
+      uint32_t w = 0;
+      for (int v = 0; v < 8; ++v) {
+        m[v] = static_cast<int>((rep * 8 + v + rng()) % 16);
+        w |= layout::place_code(static_cast<uint8_t>(m[v]), v);
+      }
+      m[8] = b;
+      m[9] = layout::kMxfp4MinByte + static_cast<int>(rng() % (255 - layout::kMxfp4MinByte));
+      words.push_back(w);
+      pairs.push_back(static_cast<uint32_t>(m[8]) | (static_cast<uint32_t>(m[9]) << 16));
+      meta.push_back(m);
+    }
+  const int n = static_cast<int>(words.size());
+  OwnedDeviceBuffer dw = upload(words), dp = upload(pairs), dout(4 * n * 4);
+  mx_dequant_kernel<<<(n + 127) / 128, 128>>>(dw.as<uint32_t>(), dp.as<uint32_t>(), dout.as<uint32_t>(), n);
+  FP4MOE_CUDA_CHECK_LAUNCH();
+  FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint32_t> out = download<uint32_t>(dout.get(), 4 * n);
+  for (int i = 0; i < n; ++i)
+    for (int v = 0; v < 8; ++v) {
+      // a[0] = (a0,a1) row g, a[1] = (a2,a3) row g+8, a[2] = (a4,a5) row g, a[3] = (a6,a7) row g+8
+      const int reg = v >> 1, half = v & 1;
+      const int b = (reg & 1) ? meta[i][9] : meta[i][8];
+      const uint16_t bits = static_cast<uint16_t>(out[4 * i + reg] >> (16 * half));
+      // v * 2^-126 * 2^(b-127): the weight times 2^(c-126) for an expert whose b = e + c
+      const double want = double(e2m1_to_float(static_cast<uint8_t>(meta[i][v]))) * std::ldexp(1.0, b - 253);
+      ASSERT_EQ(double(bf16_bits_to_float(bits)), want) << "b " << b << " code " << meta[i][v] << " slot " << v;
+    }
+}
 
 TEST(Mxfp4Gpu, DeviceRepackIsBitIdenticalToHost) {
   FP4MOE_SKIP_WITHOUT_GPU();
