@@ -99,7 +99,7 @@ __global__ void repack_kernel(const uint8_t* codes, const uint8_t* scales, int n
     const int64_t mc = wi >> 7;
     const int64_t mtile = mc / (k / 64), chunk = mc % (k / 64);
     const uint8_t* ec = codes + e * (n * k / 2);
-    const uint8_t* es = scales + e * (n * k / 16);
+    const uint8_t* es = scales != nullptr ? scales + e * (n * k / 16) : nullptr;  // null: MXFP4 (no zero-scale rewrite)
     reinterpret_cast<uint32_t*>(codes_out + e * (n * k / 2))[wi] =
         repack_word(ec, es, n, k, order, mtile, chunk, lane, j);
     // one scale byte per (mtile, chunk, g, j, half): the first 64 words of each 128-word group do it

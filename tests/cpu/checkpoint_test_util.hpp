@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -19,7 +20,14 @@ namespace fp4moe::test {
 
 namespace fs = std::filesystem;
 
-inline std::string fixture(const std::string& name) { return std::string(FP4MOE_FIXTURES_DIR) + "/" + name; }
+// The fixtures: $FP4MOE_FIXTURES_DIR, else the source tree the tests were built from, else
+// tests/fixtures under the working directory (a copied tree run from its root, e.g. the GPU machine).
+inline std::string fixture(const std::string& name) {
+  if (const char* env = std::getenv("FP4MOE_FIXTURES_DIR")) return std::string(env) + "/" + name;
+  std::error_code ec;
+  if (fs::is_directory(FP4MOE_FIXTURES_DIR, ec)) return std::string(FP4MOE_FIXTURES_DIR) + "/" + name;
+  return "tests/fixtures/" + name;
+}
 
 // A fresh directory under the system temp dir, removed with the object.
 struct ScratchDir {

@@ -11,6 +11,8 @@
 
 #include <array>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <random>
 #include <vector>
 
@@ -33,7 +35,14 @@ using test::upload;
 
 constexpr double kRelL2Bound = 5e-3;
 
-std::string fixture(const std::string& name) { return std::string(FP4MOE_FIXTURES_DIR) + "/" + name; }
+// $FP4MOE_FIXTURES_DIR, else the source tree the tests were built from, else tests/fixtures under the
+// working directory (the GPU machine runs a copy of the tree from its root).
+std::string fixture(const std::string& name) {
+  if (const char* env = std::getenv("FP4MOE_FIXTURES_DIR")) return std::string(env) + "/" + name;
+  std::error_code ec;
+  if (std::filesystem::is_directory(FP4MOE_FIXTURES_DIR, ec)) return std::string(FP4MOE_FIXTURES_DIR) + "/" + name;
+  return "tests/fixtures/" + name;
+}
 
 const char* kFixtures[] = {
     "modelopt-qwen3-moe-nvfp4",      "modelopt-qwen3-moe-nvfp4-sharded", "modelopt-deepseek-v3-nvfp4",
