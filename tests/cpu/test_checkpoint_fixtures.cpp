@@ -229,6 +229,37 @@ TEST(CheckpointFixtures, CompressedTensorsGlobalScaleIsInverted) {
   }
 }
 
+// e_score_correction_bias is F32 in some exports and BF16 in others: both load.
+TEST(CheckpointFixtures, CorrectionBiasInBf16Loads) {
+  test::ScratchDir d;
+  const std::string dir = test::copy_fixture(d, "modelopt-glm4-moe-nvfp4");
+  const std::string name = "model.layers.1.mlp.gate.e_score_correction_bias";
+  std::vector<float> f32;
+  {
+    SafetensorsCheckpoint ck(dir);
+    const TensorRef t = ck.tensor(name);
+    ASSERT_EQ(t.info->dtype, SafetensorsDtype::kF32);
+    f32.resize(8);
+    std::memcpy(f32.data(), t.data, 32);
+  }
+  // rewrite the tensor as BF16 [8] in the first 16 of its 32 bytes (the rest becomes an unused gap)
+  std::string f = test::read_file(dir + "/model.safetensors");
+  const SafetensorsHeader h = parse_safetensors_header({reinterpret_cast<const uint8_t*>(f.data()), f.size()}, "x");
+  auto j = nlohmann::ordered_json::parse(f.substr(8, h.header_bytes));
+  const uint64_t begin = j[name]["data_offsets"][0].get<uint64_t>();
+  j[name]["dtype"] = "BF16";
+  j[name]["data_offsets"] = {begin, begin + 16};
+  std::string data = f.substr(h.data_offset);
+  for (int e = 0; e < 8; ++e) {
+    const uint16_t b = float_to_bf16_bits(f32[e]);
+    std::memcpy(data.data() + begin + 2 * e, &b, 2);
+  }
+  test::write_file(dir + "/model.safetensors", test::safetensors_bytes({}, j.dump()) + data);
+  SafetensorsCheckpoint ck(dir);
+  const HostMoeLayer l = load_moe_layer(ck, inspect_checkpoint(ck), 1, quiet());
+  for (int e = 0; e < 8; ++e) EXPECT_EQ(l.router_bias[e], round_to_bf16(f32[e])) << e;
+}
+
 // gpt-oss: disk rows 2j / 2j+1 (gate / up, interleaved) land at rows j / I + j; biases likewise.
 TEST(CheckpointFixtures, GptOssRowsAreDeinterleaved) {
   SafetensorsCheckpoint ck(test::fixture("gptoss-mxfp4"));
