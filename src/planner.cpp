@@ -37,7 +37,46 @@ size_t pad_to(size_t x, size_t a) { return (a - x % a) % a; }
 // sm80-nvfp4-grouped
 // ---------------------------------------------------------------------------------------------------
 
-Sm80SmemPlan plan_sm80_smem(const TileConfig& c) {
+namespace {
+
+// Stream configs: activation rows of the whole K, partial-accumulator slots, the scheduler's prefix.
+Sm80SmemPlan plan_stream_smem(const TileConfig& c, int64_t k) {
+  Sm80SmemPlan p;
+  p.k = k;
+  // bt rows x K bf16 (2 bytes); 128-byte aligned (ldmatrix rows, 16-byte cp.async chunks).
+  const size_t act = static_cast<size_t>(c.bt) * static_cast<size_t>(std::max<int64_t>(k, 0)) * 2;
+  const size_t act_pad = pad_to(act, 128);
+  p.act_bytes = act + act_pad;
+  // One C fragment set per warp for the piece of a split m-tile: (bt/8) n-tiles x 32 lanes x 4 fp32.
+  p.slots_bytes = static_cast<size_t>(c.warps) * (c.bt / 8) * 32 * 4 * 4;
+  const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4;
+  const size_t sched_pad = pad_to(sched, 128);
+  p.sched_bytes = sched + sched_pad;
+  p.sched_offset = p.act_bytes + p.slots_bytes;
+  // Per warp: the cold state of its work cursor (kernels::StreamWarpState, 64 bytes).
+  p.warp_state_bytes = static_cast<size_t>(c.warps) * 64;
+  p.total_bytes = p.sched_offset + p.sched_bytes + p.warp_state_bytes;
+  p.padding_bytes = act_pad + sched_pad;
+  p.lines.push_back({"activation rows (whole K)",
+                     fmt::format("bt * K * 2 = {} * {} * 2 (bf16){}", c.bt, k,
+                                 act_pad ? fmt::format(" + {} pad", act_pad) : ""),
+                     p.act_bytes});
+  p.lines.push_back({"partial accumulators",
+                     fmt::format("warps * (bt/8) * 32 lanes * 16 = {} * {} * 32 * 16", c.warps, c.bt / 8),
+                     p.slots_bytes});
+  p.lines.push_back({"scheduler", fmt::format("(kMaxExperts + 2) * 4 = ({} + 2) * 4{}", kMaxExperts,
+                                              sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
+                     p.sched_bytes});
+  p.lines.push_back({"warp state", fmt::format("warps * 64 = {} * 64", c.warps), p.warp_state_bytes});
+  p.lines.push_back({"total dynamic shared memory", "activations + partials + scheduler + warp state",
+                     p.total_bytes});
+  return p;
+}
+
+}  // namespace
+
+Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
+  if (c.mma == 2) return plan_stream_smem(c, k);
   Sm80SmemPlan p;
   // Activations first: bt rows x bk bf16 (2 bytes), in 128-byte swizzled rows.
   const size_t act = static_cast<size_t>(c.bt) * c.bk * 2;
@@ -87,11 +126,13 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c) {
 
 RegisterEstimate estimate_registers_sm80(const TileConfig& c) {
   RegisterEstimate r;
-  const int wm = c.wm(), nt = c.bt / 8;
+  const int wm = c.mma == 2 ? 1 : c.wm(), nt = c.bt / 8;
   r.accumulators = wm * nt * 4;
-  r.b_fragments = nt * 2;
+  // stream: the B fragments of a whole 64-K chunk (two ldmatrix.x4 per n-tile); the raw weights are the
+  // register ring, `stages` chunks of 16 B codes + 8 B scales
+  r.b_fragments = c.mma == 2 ? nt * 8 : nt * 2;
   r.a_fragments = 4;
-  r.raw_weights = wm * 6;
+  r.raw_weights = c.mma == 2 ? c.stages * 6 : wm * 6;
   r.addressing = 40;
   const int sum = r.accumulators + r.b_fragments + r.a_fragments + r.raw_weights + r.addressing;
   r.estimate = std::min(255, (sum + 7) / 8 * 8);
@@ -99,11 +140,15 @@ RegisterEstimate estimate_registers_sm80(const TileConfig& c) {
   r.min_blocks = gemm_min_ctas_per_sm(c);
   r.launch_bounds_cap = std::min(255, 65536 / (r.min_blocks * c.threads()) / 8 * 8);
   r.expected = std::min(r.estimate, r.launch_bounds_cap);
-  r.formula = fmt::format(
-      "acc wm*(bt/8)*4 = {} + B (bt/8)*2 = {} + A 4 + raw wm*6 = {} + addressing 40 = {} -> {} (x8); "
-      "launch-bounds cap 65536/({}*{}) = {}",
-      r.accumulators, r.b_fragments, r.raw_weights, sum, r.estimate, r.min_blocks, c.threads(),
-      r.launch_bounds_cap);
+  r.formula = c.mma == 2
+                  ? fmt::format("acc (bt/8)*4 = {} + B (bt/8)*8 = {} + A 4 + ring stages*6 = {} + addressing 40 = {} "
+                                "-> {} (x8); launch-bounds cap 65536/({}*{}) = {}",
+                                r.accumulators, r.b_fragments, r.raw_weights, sum, r.estimate, r.min_blocks,
+                                c.threads(), r.launch_bounds_cap)
+                  : fmt::format("acc wm*(bt/8)*4 = {} + B (bt/8)*2 = {} + A 4 + raw wm*6 = {} + addressing 40 = {} "
+                                "-> {} (x8); launch-bounds cap 65536/({}*{}) = {}",
+                                r.accumulators, r.b_fragments, r.raw_weights, sum, r.estimate, r.min_blocks,
+                                c.threads(), r.launch_bounds_cap);
   return r;
 }
 
@@ -125,7 +170,7 @@ Occupancy occupancy(const ArchInfo& a, int threads, int regs, size_t dynamic_sme
   return o;
 }
 
-Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_smem) {
+Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_smem, int64_t k) {
   Sm80Plan p;
   p.cfg = cfg;
   p.arch = arch;
@@ -136,12 +181,17 @@ Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_sm
                        cfg.name()));
     return p;
   }
-  p.smem = plan_sm80_smem(cfg);
+  p.smem = plan_sm80_smem(cfg, k);
   p.regs = estimate_registers_sm80(cfg);
   p.occ = occupancy(arch, cfg.threads(), p.regs.expected, p.smem.total_bytes, static_smem);
   const size_t limit = arch.smem_optin_per_block;
-  const size_t fixed = p.smem.sched_bytes + static_smem;
-  p.max_stages_that_fit = limit > fixed ? static_cast<int>((limit - fixed) / p.smem.stage_bytes) : 0;
+  if (cfg.mma == 2) {
+    const size_t fixed = p.smem.slots_bytes + p.smem.sched_bytes + p.smem.warp_state_bytes + static_smem;
+    p.max_k_that_fits = limit > fixed ? static_cast<int64_t>((limit - fixed) / (2 * cfg.bt) / 64 * 64) : 0;
+  } else {
+    const size_t fixed = p.smem.sched_bytes + static_smem;
+    p.max_stages_that_fit = limit > fixed ? static_cast<int>((limit - fixed) / p.smem.stage_bytes) : 0;
+  }
 
   if (cfg.mma == 1 && !arch.has(kWgmma))
     v.fail(fmt::format("instruction: the config needs wgmma (sm_90a), {} has {}", arch.name, arch.families_string()));
@@ -158,7 +208,12 @@ Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_sm
     v.fail(fmt::format("threads: needs {} per block, {} allows {}", cfg.threads(), arch.name,
                        arch.max_threads_per_block));
   const size_t need = p.smem.total_bytes + static_smem;
-  if (need > limit)
+  if (need > limit && cfg.mma == 2)
+    v.fail(fmt::format("shared memory: needs {} B per block at K = {}, {} allows {} B (over by {} B); K <= {} "
+                       "would fit",
+                       with_commas(need), k, arch.name, with_commas(limit), with_commas(need - limit),
+                       p.max_k_that_fits));
+  else if (need > limit)
     v.fail(fmt::format("shared memory: needs {} B per block, {} allows {} B (over by {} B); {} stages of {} B "
                        "would fit",
                        with_commas(need), arch.name, with_commas(limit), with_commas(need - limit),
@@ -194,7 +249,7 @@ WorkEstimate work_estimate(const GemmProblem& p, int bn, int bt, int num_sms, in
   return w;
 }
 
-Verdict check_problem_sm80(const TileConfig& cfg, int64_t n, int64_t k, int experts) {
+Verdict check_problem_sm80(const TileConfig& cfg, int64_t n, int64_t k, int experts, const ArchInfo* arch) {
   Verdict v;
   if (experts < 1 || experts > kMaxExperts)
     v.fail(fmt::format("experts: E = {} must be in 1..{} (kMaxExperts, the scheduler's table)", experts,
@@ -207,6 +262,10 @@ Verdict check_problem_sm80(const TileConfig& cfg, int64_t n, int64_t k, int expe
     v.fail(fmt::format("alignment: K = {} must be a multiple of the tile's bk = {} (the pipeline has no K "
                        "tail; K % bk = {})",
                        k, cfg.bk, k % cfg.bk));
+  if (arch != nullptr && cfg.mma == 2 && v.valid) {
+    const Sm80Plan p = plan_sm80(cfg, *arch, 0, k);
+    if (!p.verdict.valid) v.fail(p.verdict.reason);
+  }
   return v;
 }
 

@@ -2,6 +2,7 @@
 // attributes (cached), persistent grid sizing. Never synchronizes; allocates nothing.
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cmath>
 #include <mutex>
 #include <vector>
@@ -13,6 +14,7 @@
 namespace fp4moe {
 
 std::string TileConfig::name() const {
+  if (mma == 2) return fmt::format("stream_bt{}_w{}_d{}_c{}", bt, warps, stages, ctas);
   return fmt::format("bn{}_bt{}_bk{}_s{}_w{}{}{}", bn, bt, bk, stages, warps, mma == 1 ? "_wgmma" : "",
                      ctas > 0 ? fmt::format("_c{}", ctas) : "");
 }
@@ -40,30 +42,45 @@ struct LaunchInfo {
   bool ready = false;
   int sms = 0;
   int ctas_per_sm = 0;
+  size_t smem = 0;
 };
+
+// Dynamic shared memory of a launch: fixed per config, except stream configs, whose activation rows span
+// the whole K.
+size_t launch_smem_bytes(const TileConfig& cfg, int64_t k) {
+  return cfg.mma == 2 ? stream_smem_layout(cfg, k).total_bytes : gemm_smem_layout(cfg).total_bytes;
+}
 
 // Per (device, kernel): raise the dynamic shared-memory limit once and record the occupancy, so the
 // per-call cost is a table lookup (and the call stays legal inside CUDA-graph capture).
-LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& cfg) {
+// Keyed by (device, kernel, shared memory): stream configs need different bytes per K.
+LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& cfg, int64_t k) {
   static std::mutex mu;
   static std::vector<std::pair<std::pair<int, detail::GemmKernelFn>, LaunchInfo>> cache;
   std::lock_guard<std::mutex> lock(mu);
+  const size_t smem = launch_smem_bytes(cfg, k);
   for (auto& [key, info] : cache)
-    if (key.first == device && key.second == fn) return info;
+    if (key.first == device && key.second == fn && info.smem == smem) return info;
   LaunchInfo info;
+  info.smem = smem;
   cudaDeviceProp prop{};
   FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   if (cfg.mma == 1 && prop.major != 9)
     throw ResourceError(fmt::format("fp4moe: tile config {} uses wgmma, which exists on sm_90a only; {} is sm_{}{}",
                                     cfg.name(), prop.name, prop.major, prop.minor));
-  const size_t smem = gemm_smem_layout(cfg).total_bytes;
   if (smem > prop.sharedMemPerBlockOptin)
     throw ResourceError(fmt::format(
-        "fp4moe: tile config {} needs {} B of shared memory per block; {} (sm_{}{}) allows {} B (over by {} B)",
-        cfg.name(), smem, prop.name, prop.major, prop.minor, prop.sharedMemPerBlockOptin,
-        smem - prop.sharedMemPerBlockOptin));
+        "fp4moe: tile config {} needs {} B of shared memory per block{}; {} (sm_{}{}) allows {} B (over by {} B)",
+        cfg.name(), smem,
+        cfg.mma == 2 ? fmt::format(" (activations bt * K * 2 = {} * {} * 2 B)", cfg.bt, k) : std::string(),
+        prop.name, prop.major, prop.minor, prop.sharedMemPerBlockOptin, smem - prop.sharedMemPerBlockOptin));
+  // The limit only ever grows (the largest K seen so far): a CUDA graph captured with a larger K must
+  // stay launchable after a call with a smaller one.
+  size_t limit = smem;
+  for (const auto& [key, other] : cache)
+    if (key.first == device && key.second == fn) limit = std::max(limit, other.smem);
   FP4MOE_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(fn),
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
   FP4MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&info.ctas_per_sm, reinterpret_cast<const void*>(fn),
                                                                   cfg.threads(), smem));
   if (info.ctas_per_sm < 1)
@@ -77,6 +94,16 @@ LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& c
 }
 
 bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
+
+// Stream configs' L2 prefetch distance (64-K chunks ahead of the register ring). FP4MOE_STREAM_PREFETCH
+// overrides it (a measuring knob, read once).
+int stream_prefetch_chunks() {
+  static const int v = [] {
+    const char* e = std::getenv("FP4MOE_STREAM_PREFETCH");
+    return e != nullptr ? std::max(0, std::atoi(e)) : 0;
+  }();
+  return v;
+}
 
 }  // namespace
 
@@ -131,17 +158,28 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
                    w.format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4");
     FP4MOE_REQUIRE(w.num_experts + 1 <= kMaxExperts + 1, "routed experts + the extra set exceed {}", kMaxExperts + 1);
   }
+  if (cfg.mma == 2) {
+    // The stream kernel counts work units (expert, token tile, m16 tile) and chunk slices in int32.
+    const int64_t segments = args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0);
+    FP4MOE_REQUIRE(segments * (w.n / 16) < (int64_t{1} << 31) && (w.n / 16) * (w.k / 64) * cfg.warps < (int64_t{1} << 31),
+                   "tile config {}: (max_rows / bt + experts) * n / 16 = {} work units must stay below 2^31; use a "
+                   "pipeline config for this size",
+                   cfg.name(), segments * (w.n / 16));
+  }
   const int idx = config_index(cfg);
   const detail::GemmKernelFn fn = kernel_for(idx, args.epilogue);
   int device = 0;
   FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
-  const LaunchInfo& info = launch_info(device, fn, cfg);
+  const LaunchInfo& info = launch_info(device, fn, cfg, w.k);
 
   // Work tiles <= (rows / bt + experts) * feature tiles; more CTAs than that would only exit.
   const int64_t ftiles = (w.n + cfg.bn - 1) / cfg.bn;
   const int64_t max_tiles =
       (args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0)) * ftiles;
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_tiles, int64_t{info.sms} * info.ctas_per_sm)));
+  // Stream configs split all work evenly over the CTAs that are resident at once (a CTA that waited for a
+  // slot would double the time), so they always launch exactly that many.
+  const int64_t resident = int64_t{info.sms} * info.ctas_per_sm;
+  const int grid = static_cast<int>(cfg.mma == 2 ? resident : std::max<int64_t>(1, std::min<int64_t>(max_tiles, resident)));
 
   kernels::GroupedGemmParams p{};
   p.codes = w.codes;
@@ -162,6 +200,7 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   const bool mx = w.format == WeightFormat::kMxfp4;
   p.scale_mul = mx ? layout::kMxfp4ScaleMul : layout::kNvfp4ScaleMul;
   p.scale_add = mx ? layout::kMxfp4ScaleAdd : layout::kNvfp4ScaleAdd;
+  p.prefetch_chunks = stream_prefetch_chunks();
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;
@@ -173,7 +212,7 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
     p.x_out = static_cast<__nv_bfloat16*>(xa->out);
     p.x_max_rows = static_cast<int>(xa->max_rows);
   }
-  fn<<<grid, cfg.threads(), gemm_smem_layout(cfg).total_bytes, stream>>>(p);
+  fn<<<grid, cfg.threads(), info.smem, stream>>>(p);
   FP4MOE_CUDA_CHECK_LAUNCH();
 }
 
@@ -196,28 +235,35 @@ cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpi
   return attr;
 }
 
-int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue) {
+int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue, int64_t k) {
   const detail::GemmKernelFn fn = kernel_for(config_index(cfg), epilogue);
   int device = 0;
   FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
-  return launch_info(device, fn, cfg).ctas_per_sm;
+  return launch_info(device, fn, cfg, k).ctas_per_sm;
 }
 
 TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, int num_sms) {
   const bool k128 = k % 128 == 0;
-  if (!k128) return rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};
   // Rows of an active expert vary around the mean (random routing); cover ~1.5x the mean in one tile
   // so that each expert's weights stream once.
   const double r = rows_per_expert * 1.5;
   (void)n;
   (void)num_sms;
+  int dev = 0, major = 0, optin = 0;
+  const bool have_gpu = cudaGetDevice(&dev) == cudaSuccess &&
+                        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess;
+  // decode: the stream kernel, when its activation rows (bt x K) fit the block's shared memory
+  if (have_gpu && r <= 16) {
+    const TileConfig s = r <= 8 ? TileConfig{384, 8, 64, 4, 24, 2, 1} : TileConfig{384, 16, 64, 4, 24, 2, 1};
+    if (stream_smem_layout(s, k).total_bytes <= static_cast<size_t>(optin)) return s;
+  }
+  if (!k128) return rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};
   if (r <= 16) return TileConfig{128, 16, 128, 6, 8};
   if (r <= 32) return TileConfig{128, 32, 128, 5, 8};
   if (r <= 64) return TileConfig{128, 64, 128, 4, 8};
   // prefill: Hopper's wgmma with the widest token tile the rows fill
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-      major == 9)
+  if (have_gpu && major == 9)
     return r <= 192 ? TileConfig{128, 128, 64, 4, 8, 1} : TileConfig{128, 256, 64, 4, 8, 1};
   return TileConfig{128, 128, 64, 4, 8};
 }

@@ -70,7 +70,7 @@ uint16_t bf16_bits(float f) {
 std::vector<TileConfig> candidates(const TuneProblem& pr, const ArchInfo& arch) {
   std::vector<TileConfig> out;
   for (const TileConfig& c : valid_sm80_configs(arch))
-    if (check_problem_sm80(c, pr.n, pr.k, pr.experts).valid) out.push_back(c);
+    if (check_problem_sm80(c, pr.n, pr.k, pr.experts, &arch).valid) out.push_back(c);
   return out;
 }
 

@@ -29,10 +29,15 @@ struct BenchArgs {
   std::string tile1, tile2;
 };
 
+// A config name of kGemmConfigs (e.g. stream_bt8_w24_d4_c1, bn128_bt32_bk128_s5_w8) or BNxBTxBKxSTAGESxWARPS.
 TileConfig parse_tile(const std::string& s) {
+  for (const TileConfig& c : kGemmConfigs)
+    if (c.name() == s) return c;
   TileConfig c;
   FP4MOE_REQUIRE(std::sscanf(s.c_str(), "%dx%dx%dx%dx%d", &c.bn, &c.bt, &c.bk, &c.stages, &c.warps) == 5,
-                 "--tile '{}' must be BNxBTxBKxSTAGESxWARPS, e.g. 128x32x128x5x8", s);
+                 "--tile '{}' must be a config name of kGemmConfigs (fp4moe explain lists them) or "
+                 "BNxBTxBKxSTAGESxWARPS, e.g. 128x32x128x5x8",
+                 s);
   return c;
 }
 
@@ -110,7 +115,7 @@ void register_bench(CLI::App& app) {
   sub->add_flag("--breakdown", args->breakdown, "layer mode: time each stage");
   sub->add_option("--reps", args->reps, "timed graph replays per measurement (median reported)")->capture_default_str();
   sub->add_option("--json", args->json, "also write the results as JSON to this file");
-  sub->add_option("--tile1", args->tile1, "gemm mode: force GEMM1's config BNxBTxBKxSTAGESxWARPS");
+  sub->add_option("--tile1", args->tile1, "gemm mode: force GEMM1's config (a config name, or BNxBTxBKxSTAGESxWARPS)");
   sub->add_option("--tile2", args->tile2, "gemm mode: force GEMM2's config");
   sub->add_flag("--compare-heuristic", args->compare_heuristic,
                 "gemm mode: also time the heuristic's configs and show the tuner's gain");

@@ -67,9 +67,10 @@ void grouped_gemm_nvfp4(const GroupedWeightsView& w, const GroupedGemmArgs& args
 // cudaFuncGetAttributes; needs a GPU. Throws if cfg is not in kGemmConfigs.
 cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpilogue epilogue);
 
-// CTAs per SM of the compiled kernel with its launch shared memory (CUDA occupancy calculator); needs a
-// GPU. Throws a ResourceError when the config cannot be resident.
-int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue);
+// CTAs per SM of the compiled kernel with its launch shared memory (CUDA occupancy calculator) for a
+// GEMM of reduction size k (stream configs hold the activation rows for the whole K); needs a GPU.
+// Throws a ResourceError when the config cannot be resident.
+int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue, int64_t k = 64);
 
 // The configuration the heuristic picks for a problem (rows_per_expert = expected rows of an active
 // expert, e.g. T * top_k / E).

@@ -42,11 +42,16 @@ struct Verdict {
 // The shared memory of one config, recounted independently of gemm_smem_layout.
 struct Sm80SmemPlan {
   size_t codes_bytes = 0, scales_bytes = 0, act_bytes = 0, stage_bytes = 0;
+  size_t slots_bytes = 0;    // stream configs: partial accumulators of split m-tiles
+  size_t warp_state_bytes = 0;  // stream configs: per-warp cursor state
+  int64_t k = 0;             // stream configs: the K the activation rows were counted for
   size_t sched_offset = 0, sched_bytes = 0, total_bytes = 0;
   size_t padding_bytes = 0;  // 128-byte alignment padding included above
   std::vector<SmemLine> lines;
 };
-Sm80SmemPlan plan_sm80_smem(const TileConfig& cfg);
+// Stream configs (mma == 2) hold bt activation rows of the whole K: their bytes depend on k (k = 0 counts
+// the K-independent part only).
+Sm80SmemPlan plan_sm80_smem(const TileConfig& cfg, int64_t k = 0);
 
 // Register estimate per thread (the measured numRegs comes from cudaFuncGetAttributes on a GPU):
 //   accumulators  wm * (bt/8) * 4       fp32 C fragments of m16n8 tiles
@@ -80,13 +85,15 @@ struct Sm80Plan {
   TileConfig cfg;
   ArchInfo arch;
   Sm80SmemPlan smem;
-  int max_stages_that_fit = 0;  // with this bn/bt/bk/warps on this arch
+  int max_stages_that_fit = 0;  // with this bn/bt/bk/warps on this arch (pipeline configs)
+  int64_t max_k_that_fits = 0;  // stream configs: the largest K (a multiple of 64) whose rows fit
   RegisterEstimate regs;
   Occupancy occ;                // with the estimated registers
   Verdict verdict;              // static validity on the arch (no problem shape)
 };
 // static_smem: the compiled kernel's static shared memory when known (0 from the planner's view).
-Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_smem = 0);
+// k: the problem's K, for stream configs (0: judged without the activation rows).
+Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_smem = 0, int64_t k = 0);
 
 // A problem: E experts, rows per expert (ragged), N and K of the GEMM.
 struct GemmProblem {
@@ -107,7 +114,9 @@ WorkEstimate work_estimate(const GemmProblem& p, int bn, int bt, int num_sms, in
 
 // Shape rules of the sm80 kernel: N % 16 == 0 (m16 tiles / repack), K % 64 == 0 (repack chunk),
 // K % bk == 0 (no K tail in the pipeline), E <= kMaxExperts; SwiGLU also N even.
-Verdict check_problem_sm80(const TileConfig& cfg, int64_t n, int64_t k, int experts);
+// With arch, also the K-dependent shared memory of stream configs.
+Verdict check_problem_sm80(const TileConfig& cfg, int64_t n, int64_t k, int experts,
+                           const ArchInfo* arch = nullptr);
 
 // Every config of kGemmConfigs that is valid on the arch.
 std::vector<TileConfig> valid_sm80_configs(const ArchInfo& arch);

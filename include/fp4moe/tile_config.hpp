@@ -11,20 +11,54 @@ namespace fp4moe {
 inline constexpr int kMaxExperts = 512;       // routing and the GEMM tile scheduler support up to this
 inline constexpr int kMaxTopK = 16;
 
+constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
 struct TileConfig {
   int bn = 128;     // output features per CTA tile; multiple of 16 * warps
   int bt = 64;      // tokens (rows) per CTA tile; multiple of 8
   int bk = 128;     // K per pipeline stage; multiple of 64
   int stages = 4;   // cp.async pipeline depth
   int warps = 8;    // math warps; warp w owns m16 tiles [w*wm, (w+1)*wm) of the feature tile
-  int mma = 0;      // 0: mma.sync.m16n8k16 per warp (sm_80+); 1: wgmma m64nBTk16 per warpgroup (sm_90a)
+  int mma = 0;      // 0: mma.sync.m16n8k16 per warp (sm_80+); 1: wgmma m64nBTk16 per warpgroup (sm_90a);
+                    // 2: "stream" decode kernel (mma.sync, weights streamed global -> registers, see below)
   int ctas = 0;     // CTAs per SM the kernel is compiled for (__launch_bounds__ minimum); 0: the default rule
 
   constexpr int wm() const { return bn / (16 * warps); }
   constexpr int threads() const { return warps * 32; }
   constexpr bool operator==(const TileConfig&) const = default;
-  std::string name() const;  // "bn128_bt64_bk128_s4_w8" (+ "_wgmma", + "_c3")
+  std::string name() const;  // "bn128_bt64_bk128_s4_w8" (+ "_wgmma", + "_c3"); stream: "stream_bt8_w32_d4_c1"
 };
+
+// Stream configs (mma = 2), the decode kernel (kernels/sm80_nvfp4_grouped_stream.cuh): each warp streams
+// its own weights from global memory straight into a ring of `stages` registers sets (16 B of codes + 8 B
+// of scales per lane per 64-wide K chunk), so bytes in flight grow with warps x depth and no barrier sits
+// in the K loop; the activation rows of the current (expert, token tile) live in shared memory for the
+// whole K. bn = 16 * warps (one m16 tile per warp at a time), bk = 64 (the chunk), bt = 8 or 16 tokens.
+inline constexpr size_t kStreamWarpStateBytes = 64;  // sizeof(kernels::StreamWarpState)
+
+struct StreamSmemLayout {
+  size_t act_bytes;          // bt rows x k bf16, 128-byte swizzled 16-byte chunks (ldmatrix without conflicts)
+  size_t slots_offset;       // partial accumulators: warps x (bt/8) x 32 lanes x 16 B
+  size_t slots_bytes;
+  size_t sched_offset;       // (kMaxExperts + 2) int32: segments per expert, prefix and total
+  size_t sched_bytes;
+  size_t warp_state_offset;  // warps x kStreamWarpStateBytes: the cold per-warp state
+  size_t warp_state_bytes;
+  size_t total_bytes;
+};
+
+constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
+  StreamSmemLayout l{};
+  l.act_bytes = align_up(static_cast<size_t>(c.bt) * static_cast<size_t>(k) * 2, 128);
+  l.slots_offset = l.act_bytes;
+  l.slots_bytes = static_cast<size_t>(c.warps) * (c.bt / 8) * 32 * 16;
+  l.sched_offset = l.slots_offset + l.slots_bytes;
+  l.sched_bytes = align_up((kMaxExperts + 2) * sizeof(int32_t), 128);
+  l.warp_state_offset = l.sched_offset + l.sched_bytes;
+  l.warp_state_bytes = static_cast<size_t>(c.warps) * kStreamWarpStateBytes;
+  l.total_bytes = l.warp_state_offset + l.warp_state_bytes;
+  return l;
+}
 
 // Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:
 //   [stage 0 .. stages-1] each = activations | codes | scales, padded to 1024 bytes
@@ -45,8 +79,6 @@ struct GemmSmemLayout {
   size_t total_bytes;    // dynamic shared memory requested at launch
 };
 
-constexpr size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
 constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
   GemmSmemLayout l{};
   l.act_bytes = align_up(static_cast<size_t>(c.bt) * c.bk * 2, 128);
@@ -65,12 +97,16 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
 // CTA's pipeline bubble at a tile boundary is covered by the other's loads), else one CTA with up to
 // 255 registers (prefill tiles). The planner uses the same function for its register cap.
 constexpr int gemm_min_ctas_per_sm(const TileConfig& c) {
+  if (c.mma == 2) return c.ctas > 0 ? c.ctas : 1;
   return c.ctas > 0 ? c.ctas : (c.wm() * (c.bt / 8) * 4 > 48 ? 1 : 2);
 }
 
 // Static validity (what types decide). Runtime validity against a GPU (smem, registers) is the
 // planner's job (planner.hpp).
 constexpr bool tile_config_well_formed(const TileConfig& c) {
+  if (c.mma == 2)  // stream: one m16 tile per warp, 64-wide K chunks, a register ring of 2..8 chunks
+    return c.warps >= 4 && c.warps <= 32 && c.bn == 16 * c.warps && (c.bt == 8 || c.bt == 16) && c.bk == 64 &&
+           c.stages >= 2 && c.stages <= 8 && c.ctas >= 1 && c.ctas <= 2 && c.warps * c.ctas <= 64;
   const bool common = c.warps > 0 && c.bn > 0 && c.bn % (16 * c.warps) == 0 && c.wm() >= 1 && c.wm() <= 2 &&
                       c.bt % 16 == 0 && c.bt >= 16 && c.bk % 64 == 0 && c.bk >= 64 && c.stages >= 2 &&
                       c.ctas >= 0 && c.ctas <= 4;
@@ -105,6 +141,15 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {128, 256, 64, 4, 8, 1},
     {128, 64, 128, 4, 8, 1},
     {128, 256, 128, 3, 8, 1},
+    // decode, stream kernel: 6 warps per scheduler (24 per SM, 80 registers: 32 warps at 64 registers
+    // spilled the ring) with a 4-deep register ring each keep ~55 KB of weights in flight per SM
+    // (Little's law at 4.5 TB/s x ~2 us needs ~35 KB); no K pipeline barrier. bt 8 covers T <= ~128 for
+    // GLM-like shapes (<= 8 rows per active expert), bt 16 up to ~256.
+    {384, 8, 64, 4, 24, 2, 1},
+    {192, 8, 64, 4, 12, 2, 2},   // two CTAs per SM: one CTA's round barrier overlaps the other's stream
+    {384, 16, 64, 4, 24, 2, 1},
+    {256, 8, 64, 6, 16, 2, 1},   // fewer warps (127 registers), deeper ring: as many bytes in flight
+    {192, 16, 64, 4, 12, 2, 2},  // two CTAs per SM only where 16 x K x 2 B of rows allow it (GEMM2)
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);
 

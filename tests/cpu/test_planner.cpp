@@ -46,6 +46,19 @@ TEST(Arch, TableFiguresAndNames) {
 // The planner recounts every buffer independently; it must agree with the kernel's constexpr layout.
 TEST(Planner, SmemEqualsKernelLayoutForEveryConfig) {
   for (const TileConfig& c : kGemmConfigs) {
+    if (c.mma == 2) {  // stream configs: the activation rows span K
+      for (int64_t k : {64, 2048, 2880, 6144, 7168}) {
+        const StreamSmemLayout l = stream_smem_layout(c, k);
+        const Sm80SmemPlan p = plan_sm80_smem(c, k);
+        EXPECT_EQ(p.act_bytes, l.act_bytes) << c.name() << " k=" << k;
+        EXPECT_EQ(p.slots_bytes, l.slots_bytes) << c.name() << " k=" << k;
+        EXPECT_EQ(p.sched_offset, l.sched_offset) << c.name() << " k=" << k;
+        EXPECT_EQ(p.sched_bytes, l.sched_bytes) << c.name() << " k=" << k;
+        EXPECT_EQ(p.warp_state_bytes, l.warp_state_bytes) << c.name() << " k=" << k;
+        EXPECT_EQ(p.total_bytes, l.total_bytes) << c.name() << " k=" << k;
+      }
+      continue;
+    }
     const GemmSmemLayout l = gemm_smem_layout(c);
     const Sm80SmemPlan p = plan_sm80_smem(c);
     EXPECT_EQ(p.codes_bytes, l.codes_bytes) << c.name();
@@ -56,6 +69,23 @@ TEST(Planner, SmemEqualsKernelLayoutForEveryConfig) {
     EXPECT_EQ(p.sched_bytes, l.sched_bytes) << c.name();
     EXPECT_EQ(p.total_bytes, l.total_bytes) << c.name();
   }
+}
+
+TEST(Planner, StreamConfigHandCountedAndKLimit) {
+  // stream_bt8_w24_d4_c1 at GLM-5's K = 6144: rows 8 * 6144 * 2 = 98,304; partials 24 * 1 * 32 * 16 =
+  // 12,288; scheduler 2,176; warp state 24 * 64 = 1,536: 114,304 B.
+  const TileConfig c{384, 8, 64, 4, 24, 2, 1};
+  const Sm80SmemPlan p = plan_sm80_smem(c, 6144);
+  EXPECT_EQ(p.total_bytes, 98304u + 12288u + 2176u + 1536u);
+  // On sm_120 (101,376 B per block) it does not fit; the verdict names K and the largest K that does.
+  const Sm80Plan on120 = plan_sm80(c, arch_from_name("sm_120"), 0, 6144);
+  EXPECT_FALSE(on120.verdict.valid);
+  EXPECT_NE(on120.verdict.reason.find("at K = 6144"), std::string::npos) << on120.verdict.reason;
+  EXPECT_EQ(on120.max_k_that_fits, (101376 - 12288 - 2176 - 1536) / 16 / 64 * 64);
+  EXPECT_TRUE(plan_sm80(c, arch_from_name("sm_90"), 0, 6144).verdict.valid);
+  const ArchInfo sm120 = arch_from_name("sm_120");
+  EXPECT_FALSE(check_problem_sm80(c, 4096, 6144, 256, &sm120).valid);
+  EXPECT_TRUE(check_problem_sm80(c, 4096, 2048, 256, &sm120).valid);
 }
 
 TEST(Planner, HandCountedConfig) {

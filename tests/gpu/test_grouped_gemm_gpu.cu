@@ -229,6 +229,34 @@ TEST(GroupedGemmGpu, Glm5Shapes) {
   run_problem({6144, 2048, {130, 3}, GemmEpilogue::kPlain, false, true}, TileConfig{256, 64, 64, 4, 8}, 23);
 }
 
+// Stream configs (the decode kernel) split each CTA's units evenly over its warps, so a warp's slice can
+// start and end inside an m16 tile; split tiles are summed after the round's barrier. Few units per CTA
+// (narrow N, long K, few rows) split every m-tile over many warps; several token tiles per expert and
+// rounds that cross expert boundaries exercise the round logic.
+TEST(GroupedGemmGpu, StreamConfigsSplitTilesAndRounds) {
+  REQUIRE_GPU();
+  for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
+    const TileConfig cfg = kGemmConfigs[ci];
+    if (cfg.mma != 2) continue;
+    SCOPED_TRACE(cfg.name());
+    // 2 m-tiles x 96 chunks per segment: most CTAs idle, the busy ones split each m-tile across warps
+    run_problem({32, 6144, {1, 0, 2 * cfg.bt + 5, 3}, GemmEpilogue::kPlain, false, true}, cfg, 40 + ci);
+    run_problem({32, 6144, {cfg.bt, 1, 0, 0, 7}, GemmEpilogue::kSwiGLU}, cfg, 41 + ci);
+    // many experts of 0..bt+2 rows, GLM-like N: rounds cross expert boundaries inside a CTA
+    run_problem({1024, 1024, ragged(24, cfg.bt + 2, 50 + ci), GemmEpilogue::kSwiGLU}, cfg, 42 + ci);
+    // gpt-oss K = 2880 = 45 chunks (not a multiple of 128), biases, separate up scale
+    run_problem({5760 / 8, 2880, {3, 0, cfg.bt + 1, 1}, GemmEpilogue::kGptOssSwiGLU, true, false, true}, cfg,
+                43 + ci);
+  }
+}
+
+TEST(GroupedGemmGpu, StreamGlm5DecodeShapes) {
+  REQUIRE_GPU();
+  run_problem({4096, 6144, {1, 0, 3, 8, 2}, GemmEpilogue::kSwiGLU}, TileConfig{384, 8, 64, 4, 24, 2, 1}, 31);
+  run_problem({6144, 2048, {2, 9, 0, 1}, GemmEpilogue::kPlain, false, true}, TileConfig{384, 16, 64, 4, 24, 2, 1},
+              32);
+}
+
 TEST(GroupedGemmGpu, RejectsBadArguments) {
   GroupedWeightsView w;
   w.num_experts = 2; w.n = 128; w.k = 96;

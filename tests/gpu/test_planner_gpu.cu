@@ -67,10 +67,12 @@ TEST(PlannerGpu, EveryConfigFitsAndLaunchesWithPlannerBytes) {
     const bool swiglu = epi != GemmEpilogue::kPlain;
     repack_nvfp4_weights_device(raw_codes, raw_scales, E, N, K, swiglu, codes, scales, nullptr);
     for (const TileConfig& c : kGemmConfigs) {
-      const Sm80Plan plan = plan_sm80(c, arch);
+      // stream configs' activation rows span K: planned for this problem's K
+      const int64_t pk = c.mma == 2 ? K : 0;
+      const Sm80Plan plan = plan_sm80(c, arch, 0, pk);
       const cudaFuncAttributes attr = grouped_gemm_kernel_attributes(c, epi);
       const size_t need = plan.smem.total_bytes + attr.sharedSizeBytes;
-      const Sm80Plan with_static = plan_sm80(c, arch, attr.sharedSizeBytes);
+      const Sm80Plan with_static = plan_sm80(c, arch, attr.sharedSizeBytes, pk);
       std::printf("%-24s %-6s smem %zu + static %zu = %zu of %zu; regs measured %d, estimate %d, expected %d, "
                   "local %zu B; planner %s\n",
                   c.name().c_str(), swiglu ? "swiglu" : "plain", plan.smem.total_bytes,
@@ -90,7 +92,7 @@ TEST(PlannerGpu, EveryConfigFitsAndLaunchesWithPlannerBytes) {
       EXPECT_LE(attr.numRegs, plan.regs.launch_bounds_cap) << c.name();
       EXPECT_EQ(attr.localSizeBytes, 0u) << c.name() << ": the kernel spills to local memory";
       const Occupancy occ = occupancy(arch, c.threads(), attr.numRegs, plan.smem.total_bytes, attr.sharedSizeBytes);
-      EXPECT_EQ(occ.ctas_per_sm, grouped_gemm_max_active_ctas(c, epi))
+      EXPECT_EQ(occ.ctas_per_sm, grouped_gemm_max_active_ctas(c, epi, K))
           << c.name() << ": planner occupancy (limited by " << occ.limiter << ") differs from the CUDA calculator";
       // The library launches with gemm_smem_layout's bytes; the planner's equal them (CPU test), and
       // after the launch the kernel's max dynamic smem attribute is exactly the planner's count.
@@ -111,7 +113,10 @@ TEST(PlannerGpu, EveryConfigFitsAndLaunchesWithPlannerBytes) {
       grouped_gemm_nvfp4(w, a, c, nullptr);
       FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
       const cudaFuncAttributes after = grouped_gemm_kernel_attributes(c, epi);
-      EXPECT_EQ(static_cast<size_t>(after.maxDynamicSharedSizeBytes), plan.smem.total_bytes) << c.name();
+      if (c.mma == 2)  // the limit only grows: earlier launches of this kernel may have had a larger K
+        EXPECT_GE(static_cast<size_t>(after.maxDynamicSharedSizeBytes), plan.smem.total_bytes) << c.name();
+      else
+        EXPECT_EQ(static_cast<size_t>(after.maxDynamicSharedSizeBytes), plan.smem.total_bytes) << c.name();
     }
   }
   cudaFree(codes);

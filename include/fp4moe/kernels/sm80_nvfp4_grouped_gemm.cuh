@@ -59,10 +59,12 @@ struct GroupedGemmParams {
   int max_rows;
   float alpha;
   float limit;
-  // Scale decode (decode_scale_pair): NVFP4 16 / kScaleBias, MXFP4 128 / 0. Both weight sets of a
-  // launch share the format.
+  // Block-scale decode: a pair of repacked scale bytes in the two 16-bit halves becomes the bf16x2 scale
+  // pair * scale_mul + scale_add (NVFP4 E4M3: 16, (236 << 7) | (236 << 23); MXFP4: 128, 0; see
+  // nvfp4_weight_layout.hpp). Both weight sets of a launch share the format.
   uint32_t scale_mul;
   uint32_t scale_add;
+  int prefetch_chunks;  // stream configs: L2 prefetch distance in 64-K chunks (0: none)
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -96,6 +98,128 @@ __device__ __forceinline__ void expert_rows(const GroupedGemmParams& p, int e, i
   b = min(max(__ldg(off + 1), a), cap);
 }
 
+// Per-expert work counts -> exclusive prefix in shared memory (warp 0 only; E <= kMaxExperts + 1, so at
+// most 17 experts per lane). count(rows_e) gives expert e's work units. prefix[kMaxExperts + 1] = total.
+template <typename CountFn>
+__device__ __forceinline__ void build_expert_prefix(const GroupedGemmParams& p, int E, int lane, int32_t* prefix,
+                                                    CountFn count) {
+  constexpr int kPer = (kMaxExperts + 1 + 31) / 32;  // routed experts + the second weight set
+  const int per = (E + 31) / 32;
+  const int e0 = lane * per;
+  int cnt[kPer];
+  int sum = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    cnt[i] = 0;
+    const int e = e0 + i;
+    if (i < per && e < E) {
+      int a, b;
+      expert_rows(p, e, a, b);
+      cnt[i] = count(b - a);
+    }
+    sum += cnt[i];
+  }
+  int incl = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += v;
+  }
+  int run = incl - sum;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int e = e0 + i;
+    if (i < per && e < E) prefix[e] = run;
+    run += cnt[i];
+  }
+  if (lane == 31) prefix[kMaxExperts + 1] = incl;  // total
+}
+
+// Largest e with prefix[e] <= w (prefix is non-decreasing, prefix[0] = 0).
+__device__ __forceinline__ int find_expert(int64_t w, const int32_t* prefix, int experts) {
+  int lo = 0, hi = experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (prefix[mid] <= w) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// The epilogue of one m16 weight tile (global m-tile index mt of the expert's N) for NT n-tiles of 8
+// tokens held in a lane's mma C fragments: acc[nt][0..1] = (row g, tokens 2t, 2t+1), acc[nt][2..3] =
+// (row g + 8, same tokens). Rows are in the repack's order (nvfp4_weight_layout.hpp): kPairs for the plain
+// epilogue (rows g, g+8 = features 2g, 2g+1), kGateUp for SwiGLU (row g = gate j, row g+8 = up j).
+// Shared by every kernel of the family so they round identically.
+template <int NT, int EPI>
+__device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, bool xs, int mt, int row0, int rows,
+                                            int valid_nt, const float (&acc)[NT][4]) {
+  if (mt >= p.n / 16) return;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const float gs = __ldg(xs ? p.x_global_scale : p.global_scale + e) * layout::kAccumulatorScale;
+  const float* bias = xs ? p.x_bias : (p.bias != nullptr ? p.bias + static_cast<int64_t>(e) * p.n : nullptr);
+  const float* row_scale = xs ? nullptr : p.row_scale;
+  __nv_bfloat16* out = xs ? p.x_out : p.out;
+  if constexpr (EPI == kEpiPlain) {
+    const int f = mt * 16 + 2 * g;  // features f, f+1 held in acc[..][0|1] and [2|3]
+    float b0 = 0.f, b1 = 0.f;
+    if (bias != nullptr) {
+      b0 = __ldg(bias + f);
+      b1 = __ldg(bias + f + 1);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (nt < valid_nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = nt * 8 + 2 * t4 + h;
+          if (r < rows) {
+            const int row = row0 + r;
+            const float rs = row_scale != nullptr ? __ldg(row_scale + row) : 1.0f;
+            const float v0 = (acc[nt][h] * gs + b0) * rs;
+            const float v1 = (acc[nt][2 + h] * gs + b1) * rs;
+            *reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * p.n + f) =
+                __floats2bfloat162_rn(v0, v1);
+          }
+        }
+      }
+    }
+  } else {
+    const float* gup = xs ? p.x_global_scale_up : (p.global_scale_up != nullptr ? p.global_scale_up + e : nullptr);
+    const float gs_up = gup != nullptr ? __ldg(gup) * layout::kAccumulatorScale : gs;
+    const int jn = mt * 8 + g;  // output column (gate row jn, up row n/2 + jn)
+    const int half = p.n / 2;
+    float bg = 0.f, bu = 0.f;
+    if (bias != nullptr) {
+      bg = __ldg(bias + jn);
+      bu = __ldg(bias + half + jn);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (nt < valid_nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = nt * 8 + 2 * t4 + h;
+          if (r < rows) {
+            const int row = row0 + r;
+            float gate = acc[nt][h] * gs + bg;
+            float up = acc[nt][2 + h] * gs_up + bu;
+            float v;
+            if constexpr (EPI == kEpiSwiGLU) {
+              v = gate / (1.0f + expf(-gate)) * up;
+            } else {
+              gate = fminf(gate, p.limit);
+              up = fminf(fmaxf(up, -p.limit), p.limit);
+              v = (up + 1.0f) * gate / (1.0f + expf(-p.alpha * gate));
+            }
+            out[static_cast<int64_t>(row) * half + jn] = __float2bfloat16_rn(v);
+          }
+        }
+      }
+    }
+  }
+}
+
 // A work tile, decoded from its linear index with the per-expert tile prefix in shared memory.
 struct WorkTile {
   int expert;    // 0 .. num_experts-1, or num_experts for the second weight set
@@ -107,12 +231,7 @@ struct WorkTile {
 
 template <int BT>
 __device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, const GroupedGemmParams& p, int experts) {
-  // largest e with prefix[e] <= w (prefix is non-decreasing, prefix[0] = 0)
-  int lo = 0, hi = experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (prefix[mid] <= w) lo = mid; else hi = mid - 1;
-  }
+  const int lo = find_expert(w, prefix, experts);
   WorkTile t;
   t.expert = lo;
   t.extra = lo >= p.num_experts;
@@ -155,39 +274,9 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   const int ftiles = (p.n + BN - 1) / BN;
   const int KT = K / BK;
 
-  // ---- scheduler: tiles per expert, exclusive prefix (warp 0; E <= 512 -> <= 16 per lane) ----
-  if (warp == 0) {
-    constexpr int kPer = (kMaxExperts + 1 + 31) / 32;  // routed experts + the second weight set
-    const int per = (E + 31) / 32;
-    const int e0 = lane * per;
-    int cnt[kPer];
-    int sum = 0;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      cnt[i] = 0;
-      const int e = e0 + i;
-      if (i < per && e < E) {
-        int a, b;
-        expert_rows(p, e, a, b);
-        cnt[i] = ((b - a + BT - 1) / BT) * ftiles;
-      }
-      sum += cnt[i];
-    }
-    int incl = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += v;
-    }
-    int run = incl - sum;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int e = e0 + i;
-      if (i < per && e < E) s_prefix[e] = run;
-      run += cnt[i];
-    }
-    if (lane == 31) s_prefix[kMaxExperts + 1] = incl;  // total tiles
-  }
+  // ---- scheduler: tiles per expert, exclusive prefix ----
+  if (warp == 0)
+    build_expert_prefix(p, E, lane, s_prefix, [&](int rows) { return ((rows + BT - 1) / BT) * ftiles; });
   __syncthreads();
   const int total_tiles = s_prefix[kMaxExperts + 1];
   const int my_tiles = total_tiles > static_cast<int>(blockIdx.x)
@@ -290,7 +379,6 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
       for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
   begin_load_tile(0);
-#pragma unroll
   // Loads run kAhead iterations ahead. wgmma reads shared memory asynchronously, so its configs keep one
   // more stage between the stage being loaded and the one being read: the stage overwritten at
   // iteration it was read at it - 2, whose wgmmas the wait_group<1> of iteration it - 1 has retired,
@@ -304,7 +392,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
 
   WorkTile tile = decode_tile<BT>(static_cast<int>(blockIdx.x), s_prefix, p, E);
   int stage_idx = 0;
-  const int g = lane >> 2, t4 = lane & 3;
+  const int g = lane >> 2;
   // the scale decode's two operands, in registers for the whole kernel (one IMAD per scale pair)
   const uint32_t scale_mul = p.scale_mul, scale_add = p.scale_add;
 
@@ -410,76 +498,10 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
     {
       if constexpr (MMA == 1) wgmma_wait<0>();
       if (warp_active) {
-        const int e = tile.expert;
-        const bool xs = tile.extra;
-        const float gs = __ldg(xs ? p.x_global_scale : p.global_scale + e) * layout::kAccumulatorScale;
-        const float* bias = xs ? p.x_bias : (p.bias != nullptr ? p.bias + static_cast<int64_t>(e) * p.n : nullptr);
-        const float* row_scale = xs ? nullptr : p.row_scale;
-        __nv_bfloat16* out = xs ? p.x_out : p.out;
 #pragma unroll
-        for (int i = 0; i < WM; ++i) {
-          const int mt = tile.ftile * MT + warp * WM + i;
-          if (mt < m_tiles_total) {
-            if constexpr (EPI == kEpiPlain) {
-              const int f = mt * 16 + 2 * g;  // features f, f+1 held in acc[..][0|1] and [2|3]
-              float b0 = 0.f, b1 = 0.f;
-              if (bias != nullptr) {
-                b0 = __ldg(bias + f);
-                b1 = __ldg(bias + f + 1);
-              }
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                if (nt < valid_nt) {
-#pragma unroll
-                  for (int h = 0; h < 2; ++h) {
-                    const int r = nt * 8 + 2 * t4 + h;
-                    if (r < tile.rows) {
-                      const int row = tile.row0 + r;
-                      const float rs = row_scale != nullptr ? __ldg(row_scale + row) : 1.0f;
-                      const float v0 = (acc[i][nt][h] * gs + b0) * rs;
-                      const float v1 = (acc[i][nt][2 + h] * gs + b1) * rs;
-                      *reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * p.n + f) =
-                          __floats2bfloat162_rn(v0, v1);
-                    }
-                  }
-                }
-              }
-            } else {
-              const float* gup = xs ? p.x_global_scale_up : (p.global_scale_up != nullptr ? p.global_scale_up + e : nullptr);
-              const float gs_up = gup != nullptr ? __ldg(gup) * layout::kAccumulatorScale : gs;
-              const int jn = mt * 8 + g;  // output column (gate row jn, up row n/2 + jn)
-              const int half = p.n / 2;
-              float bg = 0.f, bu = 0.f;
-              if (bias != nullptr) {
-                bg = __ldg(bias + jn);
-                bu = __ldg(bias + half + jn);
-              }
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                if (nt < valid_nt) {
-#pragma unroll
-                  for (int h = 0; h < 2; ++h) {
-                    const int r = nt * 8 + 2 * t4 + h;
-                    if (r < tile.rows) {
-                      const int row = tile.row0 + r;
-                      float gate = acc[i][nt][h] * gs + bg;
-                      float up = acc[i][nt][2 + h] * gs_up + bu;
-                      float v;
-                      if constexpr (EPI == kEpiSwiGLU) {
-                        v = gate / (1.0f + expf(-gate)) * up;
-                      } else {
-                        gate = fminf(gate, p.limit);
-                        up = fminf(fmaxf(up, -p.limit), p.limit);
-                        v = (up + 1.0f) * gate / (1.0f + expf(-p.alpha * gate));
-                      }
-                      out[static_cast<int64_t>(row) * half + jn] = __float2bfloat16_rn(v);
-                    }
-                  }
-                }
-              }
-            }
-          }
-        }
+        for (int i = 0; i < WM; ++i)
+          store_mtile<NT, EPI>(p, tile.expert, tile.extra, tile.ftile * MT + warp * WM + i, tile.row0, tile.rows,
+                               valid_nt, acc[i]);
       }
 #pragma unroll
       for (int i = 0; i < WM; ++i)

@@ -1,0 +1,445 @@
+// sm80-nvfp4-grouped, stream configs (TileConfig::mma == 2): the decode kernel. Device code only; the
+// host launcher is src/sm80_nvfp4_grouped_gemm.cu (shared with the shared-memory pipeline configs).
+//
+// Why a second kernel: at decode each weight byte is used by a handful of tokens, so the kernel is a
+// weight stream and its speed is the bytes it keeps in flight and the warps it has to hide the
+// dequantization's integer chains. The pipeline configs stage weights through shared memory behind a
+// CTA barrier per K stage with ~4 warps per scheduler; a probe that streams NVFP4 straight into registers
+// with the same dequantization reached 0.81-0.86 of the read ceiling at 8-16 warps per scheduler with
+// four 16-byte loads in flight per thread (docs/kernel-design.md). This kernel is that stream with the
+// GEMM around it:
+// - Weights: each warp loads its own repacked chunks (per lane 16 B of e2m1 codes = one mma A fragment
+//   for four k16 steps, and 8 B of block scales) from global memory into a ring of DEPTH register sets,
+//   DEPTH chunks ahead of the math. A warp's chunks of one m16 tile are contiguous in the repacked layout
+//   (nvfp4_weight_layout.hpp), so the stream is one pointer bumped by 512 B (codes) and 64 B (scales).
+// - Activations: the rows of the current (expert, token tile), at most BT = 8 or 16, for the whole K, in
+//   shared memory (loaded once per round with cp.async), read as mma B fragments with ldmatrix. No
+//   barrier in the K loop.
+// - Work split ("stream-K inside a CTA"): units are (expert, token tile, m16 tile) in expert order. CTA i
+//   of G takes units [i*U/G, (i+1)*U/G), so every CTA streams the same number of weight bytes whatever the
+//   expert sizes (at T = 1, 9 experts x 256 m-tiles spread evenly over 132 SMs). A CTA's units split into
+//   rounds at (expert, token tile) boundaries; inside a round the flattened (m-tile, K chunk) list is cut
+//   evenly across the warps, so a warp's range may start or end inside an m-tile. Whole m-tiles are
+//   stored from registers as soon as they finish; a split m-tile's pieces meet after the round's barrier:
+//   the warp holding its first chunk adds the later warps' pieces (kept in shared memory) in warp order,
+//   so the sum order is fixed by the shapes alone and the output is bit-identical run to run.
+// - The weight ring runs across m-tiles and rounds, so the next round's weights are in flight while a
+//   round ends (barrier, reduction, next activation rows).
+#pragma once
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "fp4moe/kernels/nvfp4_dequant.cuh"
+#include "fp4moe/kernels/sm80_nvfp4_grouped_gemm.cuh"
+#include "fp4moe/nvfp4_weight_layout.hpp"
+#include "fp4moe/tile_config.hpp"
+
+namespace fp4moe::kernels {
+
+// Weights are read once per call: keep them out of L1 (it holds nothing useful for them).
+__device__ __forceinline__ uint4 ldg_stream_v4(const uint8_t* ptr) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(ptr));
+  return r;
+}
+// Asks L2 to fetch [ptr, ptr + bytes) from DRAM (Hopper's bulk prefetch; no registers, no completion):
+// the register ring then only has to cover L2's latency, so more bytes are in flight than registers hold.
+__device__ __forceinline__ void prefetch_l2(const uint8_t* ptr, uint32_t bytes, bool pred) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p cp.async.bulk.prefetch.L2.global [%0], %1;\n}\n" ::"l"(ptr),
+      "r"(bytes), "r"(static_cast<uint32_t>(pred)));
+#else
+  (void)ptr, (void)bytes, (void)pred;
+#endif
+}
+__device__ __forceinline__ uint2 ldg_stream_v2(const uint8_t* ptr) {
+  uint2 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(ptr));
+  return r;
+}
+
+// Per-warp state that only the cold paths (m-tile ends, round ends, cursor jumps) touch. It lives in shared
+// memory, not registers, and the cold paths are separate (noinline) functions: the hot loop needs the
+// registers for the weight ring (at 24-32 warps per SM a thread has 64-80), and with the cold code inlined
+// ptxas kept its loop-invariant values live and spilled the ring. Written by lane 0.
+struct StreamWarpState {
+  int lru;             // load cursor: first unit of the next round it has not entered
+  int cru;             // math: first unit of the next round
+  int u1;              // end of the CTA's units
+  int seg_e, seg_row0, seg_rows, seg_x;  // the current round's expert, first row, rows, second-set flag
+  int m0, F;           // the current round's first m-tile and its chunk count (to find other warps' slices)
+  int m_cur;           // the m-tile of the current piece (within the expert)
+  int round_left;      // this warp's chunks in the round after the current piece
+  int from_start;      // the current piece began at chunk 0 of m_cur: this warp owns m_cur
+  int to_end;          // the current piece runs to the last chunk of m_cur
+  int pending;         // an owned m-tile split across warps waits for the round's barrier
+  int in_round;        // a round is open (its barrier at the end is still due)
+  int in_piece;        // a piece is open (cleft counted it down)
+};
+static_assert(sizeof(StreamWarpState) == kStreamWarpStateBytes, "the layout reserves kStreamWarpStateBytes per warp");
+
+// Where a warp's weights come from next: this lane's 16 B of codes and 8 B of scales, and how many chunks
+// are left in the cursor's round (-1: no more).
+struct StreamCursor {
+  const uint8_t* lc;
+  const uint8_t* ls;
+  int left;
+};
+// The math's next piece: chunks in it (0: the CTA is done), this lane's ldmatrix address for its first
+// chunk, and whether a second n-tile of tokens is live.
+struct StreamPiece {
+  int cleft;
+  uint32_t act_ptr;
+  int two_nt;
+};
+
+struct StreamRound {
+  int end, seg, m0, F;
+};
+
+template <int BT, int WARPS>
+struct StreamGeometry {
+  const GroupedGemmParams& p;
+  uint8_t* smem;
+  StreamSmemLayout L;
+
+  __device__ StreamGeometry(const GroupedGemmParams& params, uint8_t* s)
+      : p(params), smem(s), L(stream_smem_layout(TileConfig{16 * WARPS, BT, 64, 2, WARPS, 2, 1}, params.k)) {}
+  __device__ int32_t* prefix() const { return reinterpret_cast<int32_t*>(smem + L.sched_offset); }
+  __device__ float4* slots() const { return reinterpret_cast<float4*>(smem + L.slots_offset); }
+  __device__ StreamWarpState& ws() const {
+    return reinterpret_cast<StreamWarpState*>(smem + L.warp_state_offset)[threadIdx.x >> 5];
+  }
+  __device__ int experts() const { return p.num_experts + (p.x_offsets != nullptr ? 1 : 0); }
+  // A round: the CTA's units from ru to the end of ru's segment (or of the CTA's range); F chunks.
+  __device__ StreamRound round_at(int ru) const {
+    const int MT = p.n / 16;
+    StreamRound r;
+    r.seg = ru / MT;
+    r.m0 = ru - r.seg * MT;
+    r.end = min(ws().u1, (r.seg + 1) * MT);
+    r.F = (r.end - ru) * (p.k / 64);
+    return r;
+  }
+  // Warp w's slice of a round's F chunks starts here; F * WARPS < 2^31 (the launcher checks).
+  __device__ static int slice_begin(int F, int w) { return F * w / WARPS; }
+};
+
+// The load cursor enters its next round that has chunks for this warp (cold: once per round).
+template <int BT, int WARPS>
+__device__ __noinline__ StreamCursor stream_cursor_next(const GroupedGemmParams& p, uint8_t* smem) {
+  const StreamGeometry<BT, WARPS> G(p, smem);
+  StreamWarpState& ws = G.ws();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  StreamCursor c{nullptr, nullptr, 0};
+  int lru = ws.lru;
+  const int u1 = ws.u1;
+  while (c.left == 0 && lru < u1) {
+    const StreamRound r = G.round_at(lru);
+    lru = r.end;
+    const int f0 = G.slice_begin(r.F, warp);
+    c.left = G.slice_begin(r.F, warp + 1) - f0;
+    if (c.left > 0) {
+      const int e = find_expert(r.seg, G.prefix(), G.experts());
+      const bool xs = e >= p.num_experts;
+      const int64_t chunk = static_cast<int64_t>(r.m0) * (p.k / 64) + f0;  // within the expert
+      c.lc = (xs ? p.x_codes : p.codes + e * (static_cast<int64_t>(p.n) * p.k / 2)) + chunk * 512 + lane * 16;
+      c.ls = (xs ? p.x_scales : p.scales + e * (static_cast<int64_t>(p.n) * p.k / 16)) + chunk * 64 + (lane >> 2) * 8;
+    }
+  }
+  if (c.left == 0) c.left = -1;
+  __syncwarp();
+  if (lane == 0) ws.lru = lru;
+  __syncwarp();
+  return c;
+}
+
+// The math's current piece ended (or none is open): store or park it, close the round if this warp's
+// part of it is done (barrier; split m-tiles summed), open the next round (its activation rows loaded)
+// and this warp's next piece. acc: the piece's accumulators (NT x 4 floats). Returns cleft = 0 when the
+// CTA has no more work. Every warp of the CTA passes every round's two barriers.
+template <int BT, int WARPS, int EPI>
+__device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, uint8_t* smem, float4 acc0,
+                                                   float4 acc1) {
+  constexpr int NT = BT / 8;
+  const StreamGeometry<BT, WARPS> G(p, smem);
+  StreamWarpState& ws = G.ws();
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int Kc = p.k / 64;
+  const uint32_t row_bytes = static_cast<uint32_t>(p.k) * 2;
+  float acc[NT][4];
+  acc[0][0] = acc0.x, acc[0][1] = acc0.y, acc[0][2] = acc0.z, acc[0][3] = acc0.w;
+  acc[NT - 1][0] = NT == 2 ? acc1.x : acc0.x;
+  acc[NT - 1][1] = NT == 2 ? acc1.y : acc0.y;
+  acc[NT - 1][2] = NT == 2 ? acc1.z : acc0.z;
+  acc[NT - 1][3] = NT == 2 ? acc1.w : acc0.w;
+  auto zero = [&]() {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  };
+  auto put = [&](auto fn) {  // a lane-0 write of the warp state, visible to the warp afterwards
+    __syncwarp();
+    if (lane == 0) fn();
+    __syncwarp();
+  };
+  auto store_slot = [&]() {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      G.slots()[(warp * NT + j) * 32 + lane] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+  };
+  auto epilogue = [&]() {
+    store_mtile<NT, EPI>(p, ws.seg_e, ws.seg_x != 0, ws.m_cur, ws.seg_row0, ws.seg_rows, (ws.seg_rows + 7) >> 3,
+                         acc);
+  };
+  // This warp's ldmatrix row for chunk 0 of steps 0-1 (see the kernel).
+  const uint32_t act_lane = smem_u32(smem) + (lane & 7) * row_bytes + (((lane >> 3) ^ (lane & 7)) << 4);
+  StreamPiece out{0, 0u, 0};
+  auto start_piece = [&](int m, int c_in, int avail) {
+    const int len = min(Kc - c_in, avail);
+    out.cleft = len;
+    out.act_ptr = act_lane + static_cast<uint32_t>(c_in) * 128;
+    out.two_nt = NT == 2 && ws.seg_rows > 8;
+    put([&] {
+      ws.m_cur = m;
+      ws.round_left = avail - len;
+      ws.from_start = c_in == 0;
+      ws.to_end = c_in + len == Kc;
+      ws.in_piece = 1;
+    });
+  };
+
+  for (;;) {
+    if (ws.in_piece) {  // the piece that just ran out
+      put([&] { ws.in_piece = 0; });
+      if (ws.to_end) {
+        if (ws.from_start) epilogue();
+        else store_slot();  // this warp's first piece; the warp holding the m-tile's chunk 0 adds it
+        zero();
+        if (ws.round_left > 0) {
+          start_piece(ws.m_cur + 1, 0, ws.round_left);
+          return out;
+        }
+      } else if (ws.from_start) {
+        put([&] { ws.pending = 1; });  // keep acc: later warps hold the rest of m_cur
+      } else {
+        store_slot();
+        zero();
+      }
+    }
+    if (ws.in_round) {
+      // ---- end of round: split m-tiles meet. The warp holding an m-tile's chunk 0 adds the later warps'
+      // pieces in warp order (a fixed order: bit-identical results run to run) and stores it.
+      __syncthreads();  // slots written; every warp is done with this round's activation rows
+      if (ws.pending) {
+        const int mend = (ws.m_cur - ws.m0 + 1) * Kc;  // end of m_cur in the round's flattened chunks
+        for (int w = warp + 1; w < WARPS; ++w) {
+          const int f0 = G.slice_begin(ws.F, w);
+          if (f0 >= mend) break;
+          if (G.slice_begin(ws.F, w + 1) > f0) {
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              const float4 v = G.slots()[(w * NT + j) * 32 + lane];
+              acc[j][0] += v.x;
+              acc[j][1] += v.y;
+              acc[j][2] += v.z;
+              acc[j][3] += v.w;
+            }
+          }
+        }
+        epilogue();
+        zero();
+        put([&] { ws.pending = 0; });
+      }
+      put([&] { ws.in_round = 0; });
+    }
+    // ---- next round ----
+    const int ru = ws.cru;
+    if (ru >= ws.u1) return out;  // cleft = 0: done
+    const StreamRound r = G.round_at(ru);
+    const int e = find_expert(r.seg, G.prefix(), G.experts());
+    int a, b;
+    expert_rows(p, e, a, b);
+    const int row0 = a + (r.seg - G.prefix()[e]) * BT;
+    const int rows = min(BT, b - row0);
+    const bool xs = e >= p.num_experts;
+    put([&] {
+      ws.cru = r.end;
+      ws.seg_e = e;
+      ws.seg_row0 = row0;
+      ws.seg_rows = rows;
+      ws.seg_x = xs;
+      ws.m0 = r.m0;
+      ws.F = r.F;
+      ws.in_round = 1;
+    });
+    // Activation rows -> shared memory. Rows past `rows` are not loaded: they only feed accumulator
+    // columns that are never stored.
+    {
+      const __nv_bfloat16* src = (xs ? p.x_act : p.act) + static_cast<int64_t>(row0) * p.k;
+      const int pieces = p.k / 8;
+      const uint32_t dst = smem_u32(smem);
+      for (int rr = 0; rr < rows; ++rr)
+        for (int c = tid; c < pieces; c += WARPS * 32)
+          cp_async16(dst + rr * row_bytes + (((c & ~7) | ((c ^ rr) & 7)) << 4),
+                     src + static_cast<int64_t>(rr) * p.k + c * 8);
+      cp_async_commit();
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // the rows are in
+    const int f0 = G.slice_begin(r.F, warp), f1 = G.slice_begin(r.F, warp + 1);
+    if (f1 > f0) {
+      start_piece(r.m0 + f0 / Kc, f0 % Kc, f1 - f0);
+      return out;
+    }
+    // no chunks for this warp in this round: straight to its end
+  }
+}
+
+template <int BT, int WARPS, int DEPTH, int CTAS, int EPI>
+__global__ void __launch_bounds__(WARPS * 32, CTAS)
+    sm80_nvfp4_grouped_stream_kernel(const __grid_constant__ GroupedGemmParams p) {
+  constexpr TileConfig kCfg{16 * WARPS, BT, 64, DEPTH, WARPS, 2, CTAS};
+  static_assert(tile_config_well_formed(kCfg), "stream config is malformed: see tile_config_well_formed()");
+  static_assert(DEPTH <= 8, "the slot dispatch below has eight cases");
+  constexpr int NT = BT / 8;
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  const StreamGeometry<BT, WARPS> G(p, smem);
+  const int lane = threadIdx.x & 31;
+
+  // ---- segments (expert, token tile) per expert, exclusive prefix ----
+  if (threadIdx.x < 32)
+    build_expert_prefix(p, G.experts(), lane, G.prefix(), [](int rows) { return (rows + BT - 1) / BT; });
+  __syncthreads();
+  // CTA i of G owns units [i * U / G, (i + 1) * U / G); U < 2^31 (the launcher checks).
+  {
+    const int64_t units = static_cast<int64_t>(G.prefix()[kMaxExperts + 1]) * (p.n / 16);
+    const int u0 = static_cast<int>(units * blockIdx.x / gridDim.x);
+    const int u1 = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
+    if (u0 >= u1) return;  // uniform over the CTA: no barrier follows
+    StreamWarpState& ws = G.ws();
+    if (lane == 0) {
+      ws.lru = ws.cru = u0;
+      ws.u1 = u1;
+      ws.pending = ws.in_round = ws.in_piece = 0;
+    }
+    __syncwarp();
+  }
+
+  // ---- the weight ring: DEPTH chunks in flight ahead of the math ----
+  StreamCursor cur = stream_cursor_next<BT, WARPS>(p, smem);
+  uint4 ring_c[DEPTH];
+  uint2 ring_s[DEPTH];
+  // L2 prefetch distance in chunks (0: off): once per turn of the ring (slot 0), lane 0 asks L2 for the
+  // DEPTH chunks that lie pf chunks ahead (codes and scales are each contiguous along the cursor).
+  const int pf = p.prefetch_chunks;
+  auto issue = [&](uint4& rc, uint2& rs, bool slot0) {
+    if (cur.left > 0) {
+      if (slot0 && pf > 0) {
+        const bool go = lane == 0 && cur.left >= pf + DEPTH;
+        prefetch_l2(cur.lc + pf * 512, DEPTH * 512, go);
+        prefetch_l2(cur.ls + pf * 64, DEPTH * 64, go);
+      }
+      rc = ldg_stream_v4(cur.lc);
+      rs = ldg_stream_v2(cur.ls);
+      cur.lc += 512;
+      cur.ls += 64;
+      --cur.left;
+    }
+  };
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    ring_c[d] = make_uint4(0, 0, 0, 0);
+    ring_s[d] = make_uint2(0, 0);
+    if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
+    issue(ring_c[d], ring_s[d], false);
+  }
+
+  // ---- math ----
+  float acc[NT][4];
+  auto zero_acc = [&]() {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[j][q] = 0.0f;
+  };
+  zero_acc();
+  // Per-lane ldmatrix row address of a 64-K chunk's steps 0-1: matrix mat = lane / 8 of an x4 load is
+  // the 16-byte chunk (2 * step + mat) of the 128-byte K chunk, row lane % 8; chunks are XOR-swizzled
+  // with the row so the eight rows of a matrix hit eight different bank groups. Steps 2-3: + act_delta.
+  const uint32_t row_bytes = static_cast<uint32_t>(p.k) * 2;
+  const uint32_t act_delta = ((((lane >> 3) + 4) ^ (lane & 7)) << 4) - ((((lane >> 3)) ^ (lane & 7)) << 4);
+  StreamPiece pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(0, 0, 0, 0), make_float4(0, 0, 0, 0));
+
+  // One K chunk (four k16 steps) of the current m-tile from a ring slot, then refill the slot.
+  auto step = [&](uint4& words, uint2& sc, bool slot0) {
+    uint32_t b[NT][4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t addr = pc.act_ptr + (half ? act_delta : 0u);
+      ldmatrix_x4(addr, b[0][0], b[0][1], b[0][2], b[0][3]);
+      if (NT == 2 && pc.two_nt)
+        ldmatrix_x4(addr + 8 * row_bytes, b[NT - 1][0], b[NT - 1][1], b[NT - 1][2], b[NT - 1][3]);
+#pragma unroll
+      for (int s2 = 0; s2 < 2; ++s2) {
+        const int s = half * 2 + s2;
+        const uint32_t w = s == 0 ? words.x : s == 1 ? words.y : s == 2 ? words.z : words.w;
+        const uint32_t sw = half == 0 ? sc.x : sc.y;
+        // bytes (row g, row g+8) of k16 block s -> the two 16-bit halves
+        const uint32_t pair = __byte_perm(sw, 0u, s2 ? 0x4342u : 0x4140u);
+        uint32_t a[4];
+        dequant_fragment(w, pair * p.scale_mul + p.scale_add, a);
+        mma_bf16_16816(acc[0], a, b[0][2 * s2], b[0][2 * s2 + 1]);
+        if (NT == 2 && pc.two_nt) mma_bf16_16816(acc[NT - 1], a, b[NT - 1][2 * s2], b[NT - 1][2 * s2 + 1]);
+      }
+    }
+    pc.act_ptr += 128;
+    --pc.cleft;
+    issue(words, sc, slot0);  // the cursor's round changes are events (cur.left == 0), handled outside the ring
+  };
+
+  // The ring is consumed in load order: slot (chunk sequence number % DEPTH). Events (a piece or round
+  // ending, the load cursor reaching the end of its round) leave the unrolled loop and re-enter it at the
+  // slot where it stopped, so the cold code exists once.
+  int ph = 0;
+  bool alive = pc.cleft > 0;
+  while (alive) {
+    switch (ph) {
+#define FP4MOE_STREAM_SLOT(d)                                      \
+  case d:                                                          \
+    if constexpr (DEPTH > d) {                                     \
+      if (pc.cleft == 0 || cur.left == 0) {                        \
+        ph = d;                                                    \
+        break;                                                     \
+      }                                                            \
+      step(ring_c[d < DEPTH ? d : 0], ring_s[d < DEPTH ? d : 0], d == 0); \
+    }                                                              \
+    [[fallthrough]];
+      FP4MOE_STREAM_SLOT(0)
+      FP4MOE_STREAM_SLOT(1)
+      FP4MOE_STREAM_SLOT(2)
+      FP4MOE_STREAM_SLOT(3)
+      FP4MOE_STREAM_SLOT(4)
+      FP4MOE_STREAM_SLOT(5)
+      FP4MOE_STREAM_SLOT(6)
+      FP4MOE_STREAM_SLOT(7)
+#undef FP4MOE_STREAM_SLOT
+      default:
+        ph = 0;
+        continue;  // all slots consumed: next turn of the ring (an event, if any, is seen at slot 0)
+    }
+    if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
+    if (pc.cleft == 0) {
+      pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]),
+                                          make_float4(acc[NT - 1][0], acc[NT - 1][1], acc[NT - 1][2], acc[NT - 1][3]));
+      zero_acc();
+      alive = pc.cleft > 0;  // 0 only when the CTA has no more work
+    }
+  }
+}
+
+}  // namespace fp4moe::kernels
