@@ -13,6 +13,8 @@ PINNED=(
   "libcli11-dev=2.1.2+ds-1"
   "nlohmann-json3-dev=3.11.2-2"
   "libfmt-dev=9.1.0+ds1-2"
+  "clang-14=1:14.0.6-12"
+  "libclang-rt-14-dev=1:14.0.6-12"
 )
 
 missing=()

@@ -9,6 +9,7 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/grouped_gemm.hpp"
+#include "fp4moe/kernels/bf16_shared_swiglu.cuh"
 #include "fp4moe/kernels/moe_combine.cuh"
 #include "fp4moe/kernels/moe_permute.cuh"
 #include "fp4moe/moe_layer.hpp"
@@ -43,13 +44,20 @@ OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stre
 
 RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const float* global,
                          const float* global_up, const float* bias, int num_experts, int64_t n, int64_t k,
-                         bool gate_up, cudaStream_t stream) {
+                         bool gate_up, WeightFormat format, cudaStream_t stream) {
   RepackedGemm g;
   g.codes = OwnedDeviceBuffer(num_experts * repacked_codes_bytes(n, k));
   g.scales = OwnedDeviceBuffer(num_experts * repacked_scales_bytes(n, k));
-  repack_nvfp4_weights_device(codes, scales, num_experts, n, k, gate_up, g.codes.as<uint8_t>(),
-                              g.scales.as<uint8_t>(), stream);
-  g.global = copy_to_owned(global, num_experts * sizeof(float), stream);
+  if (format == WeightFormat::kMxfp4) {
+    // the repack writes each expert's FP32 scale (its exponent offset) next to the scale bytes
+    g.global = OwnedDeviceBuffer(num_experts * sizeof(float));
+    repack_mxfp4_weights_device(codes, scales, num_experts, n, k, gate_up, g.codes.as<uint8_t>(),
+                                g.scales.as<uint8_t>(), g.global.as<float>(), stream);
+  } else {
+    repack_nvfp4_weights_device(codes, scales, num_experts, n, k, gate_up, g.codes.as<uint8_t>(),
+                                g.scales.as<uint8_t>(), stream);
+    g.global = copy_to_owned(global, num_experts * sizeof(float), stream);
+  }
   g.global_up = copy_to_owned(global_up, num_experts * sizeof(float), stream);
   g.bias = copy_to_owned(bias, static_cast<size_t>(num_experts * n) * sizeof(float), stream);
   g.view.num_experts = num_experts;
@@ -61,6 +69,7 @@ RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const floa
   g.view.global_scale = g.global.as<float>();
   g.view.global_scale_up = g.global_up.as<float>();
   g.view.bias = g.bias.as<float>();
+  g.view.format = format;
   return g;
 }
 
@@ -71,6 +80,17 @@ using detail::RepackedGemm;
 using detail::repack_gemm;
 
 namespace {
+
+void launch_shared_swiglu(const float* gate_up, int64_t tokens, int64_t width, const MoeConfig& c,
+                          void* out, cudaStream_t stream) {
+  const int64_t n = tokens * width;
+  const int threads = kernels::kSharedSwigluThreads;
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + threads - 1) / threads, 4096));
+  kernels::bf16_shared_swiglu_kernel<<<blocks, threads, 0, stream>>>(
+      gate_up, tokens, width, c.activation == Activation::kGptOssSwiGLU, c.swiglu_alpha, c.swiglu_limit,
+      static_cast<__nv_bfloat16*>(out));
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
 
 template <int kPerLane>
 void launch_routing(const kernels::RoutingParams& p, cudaStream_t stream) {
@@ -236,7 +256,8 @@ void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int
 
 namespace detail {
 
-std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, int num_sms) {
+std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, int num_sms,
+                                                       bool shared_nvfp4) {
   const int E = cfg.num_experts;
   const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
   const TuneProblem p1{E, cfg.top_k, 2 * I, H,
@@ -249,7 +270,7 @@ std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int
     MoeResolvedTileConfigs r;
     r.gemm1 = *choose_config(p1, t, num_sms).config;
     r.gemm2 = *choose_config(p2, t, num_sms).config;
-    if (cfg.num_shared > 0) {
+    if (cfg.num_shared > 0 && shared_nvfp4) {
       r.shared_gemm1 = *choose_config(s1, t, num_sms).config;
       r.shared_gemm2 = *choose_config(s2, t, num_sms).config;
     }
@@ -277,7 +298,9 @@ void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   // A shared expert of the routed experts' width runs inside the routed GEMM launches (fused=true):
   // its few tiles would otherwise occupy a handful of SMs in a launch of their own (at T = 1, 32 CTAs
   // streaming 14 MB while 100 SMs idle). A wider shared expert (num_shared > 1) gets its own launches.
-  const bool fused_shared = c.num_shared == 1;
+  // No shared views: none, or one the caller runs itself (a bf16 shared expert).
+  const bool shared = c.num_shared > 0 && w.shared1 != nullptr;
+  const bool fused_shared = c.num_shared == 1 && shared;
   GroupedGemmArgs a;
   a.act = b.sorted;
   a.expert_offsets = b.expert_offsets;
@@ -295,13 +318,14 @@ void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
     grouped_gemm_nvfp4(*w.gemm1, a, *w.shared1, sa, tiles.gemm1, stream);
   } else {
     grouped_gemm_nvfp4(*w.gemm1, a, tiles.gemm1, stream);
-    if (c.num_shared > 0) grouped_gemm_nvfp4(*w.shared1, sa, tiles.shared_gemm1, stream);
+    if (shared) grouped_gemm_nvfp4(*w.shared1, sa, tiles.shared_gemm1, stream);
   }
 }
 
 void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
                       const MoeResolvedTileConfigs& tiles, cudaStream_t stream) {
-  const bool fused_shared = c.num_shared == 1;
+  const bool shared = c.num_shared > 0 && w.shared2 != nullptr;
+  const bool fused_shared = c.num_shared == 1 && shared;
   GroupedGemmArgs a;
   a.act = b.gemm1_out;
   a.expert_offsets = b.expert_offsets;
@@ -319,7 +343,7 @@ void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
     grouped_gemm_nvfp4(*w.gemm2, a, *w.shared2, sa, tiles.gemm2, stream);
   } else {
     grouped_gemm_nvfp4(*w.gemm2, a, tiles.gemm2, stream);
-    if (c.num_shared > 0) grouped_gemm_nvfp4(*w.shared2, sa, tiles.shared_gemm2, stream);
+    if (shared) grouped_gemm_nvfp4(*w.shared2, sa, tiles.shared_gemm2, stream);
   }
 }
 
@@ -332,6 +356,7 @@ struct MoeLayer::Impl {
   int num_sms = 0;
   RepackedGemm gemm1, gemm2, shared1, shared2;
   OwnedDeviceBuffer router_bias, router_weight, cublas_workspace;
+  OwnedDeviceBuffer shared_w13_bf16, shared_w2_bf16;  // a bf16 shared expert (cuBLAS GEMMs)
   cublasHandle_t cublas = nullptr;
   MoeTileConfigs tiles;
   // Automatic choices per token bucket [2^b, 2^(b+1)): tuner cache, else heuristic. Resolved once in
@@ -356,30 +381,36 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
   FP4MOE_REQUIRE(max_tokens >= 1, "max_tokens = {} must be >= 1", max_tokens);
   Impl& m = *impl_;
   m.cfg = cfg;
+  if (w.routed_only) m.cfg.num_shared = 0;  // the caller adds its own shared expert
   m.max_tokens = max_tokens;
-  m.layout = moe_workspace_layout(cfg, max_tokens, w.router_weight != nullptr);
+  const bool shared_bf16 = m.cfg.num_shared > 0 && w.shared_w13_bf16 != nullptr;
+  m.layout = moe_workspace_layout(m.cfg, max_tokens, w.router_weight != nullptr, shared_bf16);
   FP4MOE_CUDA_CHECK(cudaGetDevice(&m.device));
   FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&m.num_sms, cudaDevAttrMultiProcessorCount, m.device));
 
   const int E = cfg.num_experts;
-  const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
+  const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * m.cfg.num_shared;
+  const WeightFormat f = cfg.format;
   m.gemm1 = repack_gemm(w.w13_codes, w.w13_scales, w.w13_global, w.w13_global_up, w.b13, E, 2 * I, H,
-                        /*gate_up=*/true, stream);
-  m.gemm2 = repack_gemm(w.w2_codes, w.w2_scales, w.w2_global, nullptr, w.b2, E, H, I, false, stream);
-  if (cfg.num_shared > 0) {
+                        /*gate_up=*/true, f, stream);
+  m.gemm2 = repack_gemm(w.w2_codes, w.w2_scales, w.w2_global, nullptr, w.b2, E, H, I, false, f, stream);
+  if (shared_bf16) {
+    m.shared_w13_bf16 = copy_to_owned(w.shared_w13_bf16, static_cast<size_t>(2 * Is * H) * 2, stream);
+    m.shared_w2_bf16 = copy_to_owned(w.shared_w2_bf16, static_cast<size_t>(H * Is) * 2, stream);
+  } else if (m.cfg.num_shared > 0) {
     m.shared1 = repack_gemm(w.shared_w13_codes, w.shared_w13_scales, w.shared_w13_global,
-                            w.shared_w13_global_up, w.shared_b13, 1, 2 * Is, H, true, stream);
+                            w.shared_w13_global_up, w.shared_b13, 1, 2 * Is, H, true, f, stream);
     m.shared2 = repack_gemm(w.shared_w2_codes, w.shared_w2_scales, w.shared_w2_global, nullptr, w.shared_b2,
-                            1, H, Is, false, stream);
+                            1, H, Is, false, f, stream);
   }
   m.router_bias = copy_to_owned(w.router_bias, E * sizeof(float), stream);
-  if (w.router_weight != nullptr) {
-    m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * H) * 2, stream);
+  if (w.router_weight != nullptr) m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * H) * 2, stream);
+  if (w.router_weight != nullptr || shared_bf16) {
     m.cublas_workspace = OwnedDeviceBuffer(kCublasWorkspaceBytes);
     FP4MOE_CUBLAS_CHECK(cublasCreate(&m.cublas));
     FP4MOE_CUBLAS_CHECK(cublasSetWorkspace(m.cublas, m.cublas_workspace.get(), kCublasWorkspaceBytes));
   }
-  m.auto_tiles = detail::resolve_auto_tiles(cfg, max_tokens, m.num_sms);
+  m.auto_tiles = detail::resolve_auto_tiles(m.cfg, max_tokens, m.num_sms, /*shared_nvfp4=*/!shared_bf16);
   FP4MOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&m.routing_error_host), sizeof(unsigned long long),
                                   cudaHostAllocMapped));
   *m.routing_error_host = 0;
@@ -500,6 +531,9 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   mark(2);
 
   // ---- GEMM1 (+ activation), GEMM2 (x routing weight) ----
+  // A bf16 shared expert runs as two cuBLAS GEMMs around the SwiGLU kernel; an NVFP4 one inside the
+  // routed launches (run_expert_gemm1/2).
+  const bool shared_bf16 = m.shared_w13_bf16.get() != nullptr;
   detail::ExpertGemmBuffers gb;
   gb.sorted = ws.sorted_hidden;
   gb.expert_offsets = ws.expert_offsets;
@@ -512,10 +546,34 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   gb.shared_rows = tokens;
   gb.shared_gemm1_out = shared_gemm1_out;
   gb.shared_gemm2_out = ws.shared_gemm2_out;
-  const detail::ExpertGemmWeights gw{&m.gemm1.view, &m.gemm2.view, &m.shared1.view, &m.shared2.view};
+  const detail::ExpertGemmWeights gw{&m.gemm1.view, &m.gemm2.view, shared_bf16 ? nullptr : &m.shared1.view,
+                                     shared_bf16 ? nullptr : &m.shared2.view};
   detail::run_expert_gemm1(c, gw, gb, tiles, stream);
+  if (shared_bf16) {
+    // gate_up[T, 2Is] (fp32) = hidden[T, H] . W13[2Is, H]^T; column-major: C[2Is, T] = W13^T-view x hidden
+    const int64_t Is = c.intermediate * c.num_shared;
+    float* gate_up = reinterpret_cast<float*>(base + m.layout.shared_gate_up);
+    const float one = 1.0f, zero = 0.0f;
+    FP4MOE_CUBLAS_CHECK(cublasSetStream(m.cublas, stream));
+    FP4MOE_CUBLAS_CHECK(cublasGemmEx(m.cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(2 * Is),
+                                     static_cast<int>(tokens), static_cast<int>(H), &one, m.shared_w13_bf16.get(),
+                                     CUDA_R_16BF, static_cast<int>(H), hidden, CUDA_R_16BF, static_cast<int>(H), &zero,
+                                     gate_up, CUDA_R_32F, static_cast<int>(2 * Is), CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+    launch_shared_swiglu(gate_up, tokens, Is, c, shared_gemm1_out, stream);
+  }
   mark(3);
   detail::run_expert_gemm2(c, gw, gb, tiles, stream);
+  if (shared_bf16) {
+    // out[T, H] (bf16) = act[T, Is] . W2[H, Is]^T
+    const int64_t Is = c.intermediate * c.num_shared;
+    const float one = 1.0f, zero = 0.0f;
+    FP4MOE_CUBLAS_CHECK(cublasGemmEx(m.cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(H), static_cast<int>(tokens),
+                                     static_cast<int>(Is), &one, m.shared_w2_bf16.get(), CUDA_R_16BF,
+                                     static_cast<int>(Is), shared_gemm1_out, CUDA_R_16BF, static_cast<int>(Is), &zero,
+                                     ws.shared_gemm2_out, CUDA_R_16BF, static_cast<int>(H), CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
+  }
   mark(4);
 
   // ---- combine ----

@@ -24,14 +24,18 @@ struct RepackedGemm {
   GroupedWeightsView view;
 };
 
+// format: NVFP4 (global = the [E] FP32 scales) or MXFP4 (the repack computes each expert's FP32 scale
+// from its E8M0 exponents; global is ignored).
 RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const float* global,
                          const float* global_up, const float* bias, int num_experts, int64_t n, int64_t k,
-                         bool gate_up, cudaStream_t stream);
+                         bool gate_up, WeightFormat format, cudaStream_t stream);
 
 // Automatic tile configs per token bucket [2^b, 2^(b+1)), b = 0 .. log2(max_tokens): tuner cache, else
 // heuristic, for the problems of `cfg` (all cfg.num_experts experts, cfg.top_k). Resolved once at
 // construction so forward() never reads the cache file.
-std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, int num_sms);
+// shared_nvfp4 = false: the shared expert (if any) does not run on the grouped GEMM (bf16 shared expert).
+std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, int num_sms,
+                                                       bool shared_nvfp4 = true);
 // The bucket of `tokens`, then the explicit overrides.
 MoeResolvedTileConfigs pick_tiles(const std::vector<MoeResolvedTileConfigs>& auto_tiles,
                                   const MoeTileConfigs& overrides, int64_t tokens);
@@ -53,7 +57,8 @@ struct ExpertGemmBuffers {
   void* shared_gemm2_out = nullptr;        // bf16 [shared_rows, H]
 };
 
-// The weights of the four GEMM calls (shared1/shared2 unused when cfg.num_shared == 0).
+// The weights of the four GEMM calls (shared1/shared2 null when cfg.num_shared == 0 or when the shared
+// expert is not NVFP4: the caller runs it).
 struct ExpertGemmWeights {
   const GroupedWeightsView* gemm1 = nullptr;
   const GroupedWeightsView* gemm2 = nullptr;

@@ -25,9 +25,7 @@ void require_opt(const void* p, const char* name, size_t align) {
 
 void validate_moe_layer_config(const MoeConfig& cfg) {
   cfg.validate();
-  FP4MOE_REQUIRE(cfg.format == WeightFormat::kNvfp4,
-                 "config '{}': the GPU MoE layer runs NVFP4 expert weights only (format = MXFP4 given)",
-                 cfg.name);
+  // NVFP4 (16-wide blocks) and MXFP4 (32-wide) both fit: hidden and intermediate are multiples of 64.
   // The router keeps one group score per lane of a warp.
   FP4MOE_REQUIRE(cfg.router != RouterKind::kSigmoidGrouped || cfg.n_group <= 32,
                  "config '{}': n_group = {} must be <= 32 (the GPU router holds one group per warp lane)",
@@ -37,13 +35,21 @@ void validate_moe_layer_config(const MoeConfig& cfg) {
 void validate_moe_layer_weights(const MoeConfig& cfg, const MoeLayerWeights& w) {
   // Codes and scales are read by the repack kernel with 16-byte vectors where possible; requiring
   // 16-byte alignment of every tensor keeps all paths legal. Scalars arrays need 4 bytes.
+  const bool mx = cfg.format == WeightFormat::kMxfp4;
   require_ptr(w.w13_codes, "w13_codes", 16, cfg);
   require_ptr(w.w13_scales, "w13_scales", 16, cfg);
-  require_ptr(w.w13_global, "w13_global", 4, cfg);
-  require_opt(w.w13_global_up, "w13_global_up", 4);
   require_ptr(w.w2_codes, "w2_codes", 16, cfg);
   require_ptr(w.w2_scales, "w2_scales", 16, cfg);
-  require_ptr(w.w2_global, "w2_global", 4, cfg);
+  if (mx) {
+    // MXFP4 carries its scale in the E8M0 exponents; the repack derives the FP32 one per expert.
+    FP4MOE_REQUIRE(w.w13_global == nullptr && w.w13_global_up == nullptr && w.w2_global == nullptr,
+                   "MoeLayerWeights::w13_global / w13_global_up / w2_global must be null for config '{}' (MXFP4 "
+                   "weights have no global scale)", cfg.name);
+  } else {
+    require_ptr(w.w13_global, "w13_global", 4, cfg);
+    require_opt(w.w13_global_up, "w13_global_up", 4);
+    require_ptr(w.w2_global, "w2_global", 4, cfg);
+  }
   if (cfg.expert_bias) {
     require_ptr(w.b13, "b13", 4, cfg);
     require_ptr(w.b2, "b2", 4, cfg);
@@ -58,14 +64,34 @@ void validate_moe_layer_weights(const MoeConfig& cfg, const MoeLayerWeights& w) 
                  "bias; pass null", static_cast<const void*>(w.router_bias), cfg.name);
   require_opt(w.router_bias, "router_bias", 4);
   require_opt(w.router_weight, "router_weight", 16);
-  if (cfg.num_shared > 0) {
+  const bool shared_bf16 = w.shared_w13_bf16 != nullptr || w.shared_w2_bf16 != nullptr;
+  const bool shared_quant = w.shared_w13_codes || w.shared_w13_scales || w.shared_w13_global ||
+                            w.shared_w13_global_up || w.shared_w2_codes || w.shared_w2_scales || w.shared_w2_global;
+  if (w.routed_only || cfg.num_shared == 0) {
+    FP4MOE_REQUIRE(!shared_bf16 && !(w.routed_only && shared_quant),
+                   "MoeLayerWeights: shared-expert pointers given for config '{}' with {}; pass null", cfg.name,
+                   w.routed_only ? "routed_only = true" : "num_shared = 0");
+  } else if (shared_bf16) {
+    require_ptr(w.shared_w13_bf16, "shared_w13_bf16", 16, cfg);
+    require_ptr(w.shared_w2_bf16, "shared_w2_bf16", 16, cfg);
+    FP4MOE_REQUIRE(!shared_quant, "MoeLayerWeights: config '{}' got both a bf16 shared expert (shared_*_bf16) and "
+                   "quantized shared_* tensors; give one of the two", cfg.name);
+    FP4MOE_REQUIRE(!cfg.expert_bias, "MoeLayerWeights: a bf16 shared expert takes no biases; config '{}' has "
+                   "expert_bias = true", cfg.name);
+  } else if (cfg.num_shared > 0) {
     require_ptr(w.shared_w13_codes, "shared_w13_codes", 16, cfg);
     require_ptr(w.shared_w13_scales, "shared_w13_scales", 16, cfg);
-    require_ptr(w.shared_w13_global, "shared_w13_global", 4, cfg);
-    require_opt(w.shared_w13_global_up, "shared_w13_global_up", 4);
+    if (mx) {
+      FP4MOE_REQUIRE(w.shared_w13_global == nullptr && w.shared_w13_global_up == nullptr &&
+                         w.shared_w2_global == nullptr,
+                     "MoeLayerWeights::shared_*_global must be null for config '{}' (MXFP4)", cfg.name);
+    } else {
+      require_ptr(w.shared_w13_global, "shared_w13_global", 4, cfg);
+      require_opt(w.shared_w13_global_up, "shared_w13_global_up", 4);
+      require_ptr(w.shared_w2_global, "shared_w2_global", 4, cfg);
+    }
     require_ptr(w.shared_w2_codes, "shared_w2_codes", 16, cfg);
     require_ptr(w.shared_w2_scales, "shared_w2_scales", 16, cfg);
-    require_ptr(w.shared_w2_global, "shared_w2_global", 4, cfg);
     if (cfg.expert_bias) {
       require_ptr(w.shared_b13, "shared_b13", 4, cfg);
       require_ptr(w.shared_b2, "shared_b2", 4, cfg);
@@ -79,7 +105,8 @@ void validate_moe_layer_weights(const MoeConfig& cfg, const MoeLayerWeights& w) 
 
 int64_t moe_permute_chunks(int64_t n) { return (n + kMoePermuteChunk - 1) / kMoePermuteChunk; }
 
-MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens, bool router_gemm) {
+MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens, bool router_gemm,
+                                        bool bf16_shared) {
   validate_moe_layer_config(cfg);
   FP4MOE_REQUIRE(max_tokens >= 1, "max_tokens = {} must be >= 1", max_tokens);
   const int64_t rows = max_tokens * cfg.top_k;
@@ -108,6 +135,7 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens
   l.gemm2_out = take(static_cast<size_t>(rows * H) * 2);
   l.shared_gemm1_out = take(static_cast<size_t>(max_tokens * Is) * 2);
   l.shared_gemm2_out = take(cfg.num_shared > 0 ? static_cast<size_t>(max_tokens * H) * 2 : 0);
+  l.shared_gate_up = take(bf16_shared && cfg.num_shared > 0 ? static_cast<size_t>(max_tokens * 2 * Is) * 4 : 0);
   l.total = off;
   return l;
 }

@@ -37,6 +37,16 @@ struct ExpertSetOut {
   float* b2;   // or null
 };
 
+void quantize_set_mxfp4(uint64_t seed, SynthTensor t, uint32_t expert_base, int experts, int64_t rows, int64_t cols,
+                        float std, int64_t dst_row0, int64_t dst_rows, uint8_t* codes, uint8_t* scales,
+                        cudaStream_t stream) {
+  const int64_t blocks32 = rows * cols / kMxfp4Block;
+  const dim3 grid(blocks_for(blocks32, 256), static_cast<unsigned>(experts));
+  kernels::synth_quantize_mxfp4_kernel<<<grid, 256, 0, stream>>>(seed, static_cast<uint32_t>(t), expert_base, rows,
+                                                                 cols, std, dst_row0, dst_rows, codes, scales);
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
+
 void quantize_set(uint64_t seed, SynthTensor t, uint32_t expert_base, int experts, int64_t rows, int64_t cols,
                   float std, const float* global, int64_t dst_row0, int64_t dst_rows, uint8_t* codes,
                   uint8_t* scales, cudaStream_t stream) {
@@ -59,6 +69,13 @@ void generate_set(const MoeConfig& cfg, uint64_t seed, const ExpertSetTensors& t
                   const ExpertSetOut& o, uint32_t* amax_scratch /*3 * experts*/, cudaStream_t stream) {
   const int64_t H = cfg.hidden;
   const float std1 = weight_std(H), std2 = weight_std(width);
+  if (cfg.format == WeightFormat::kMxfp4) {
+    quantize_set_mxfp4(seed, t.gate, t.expert_base, experts, width, H, std1, 0, 2 * width, o.w13_codes, o.w13_scales,
+                       stream);
+    quantize_set_mxfp4(seed, t.up, t.expert_base, experts, width, H, std1, width, 2 * width, o.w13_codes,
+                       o.w13_scales, stream);
+    quantize_set_mxfp4(seed, t.down, t.expert_base, experts, H, width, std2, 0, H, o.w2_codes, o.w2_scales, stream);
+  } else {
   FP4MOE_CUDA_CHECK(cudaMemsetAsync(amax_scratch, 0, 3 * experts * sizeof(uint32_t), stream));
   uint32_t* amax_g = amax_scratch;
   uint32_t* amax_u = amax_scratch + experts;
@@ -76,6 +93,7 @@ void generate_set(const MoeConfig& cfg, uint64_t seed, const ExpertSetTensors& t
                o.w13_scales, stream);
   quantize_set(seed, t.down, t.expert_base, experts, H, width, std2, o.w2_global, 0, H, o.w2_codes, o.w2_scales,
                stream);
+  }
   if (o.b13 != nullptr) {
     // synth_bias: gate then up are columns [0, 2 * width) of one kBias1 row.
     const dim3 g1(blocks_for(2 * width, 256), static_cast<unsigned>(experts));
@@ -103,16 +121,19 @@ SyntheticDeviceLayer make_synthetic_layer_device(const MoeConfig& cfg, uint64_t 
   };
   const int E = cfg.num_experts;
   const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
+  // MXFP4: one E8M0 scale per 32 and no global scale (MoeLayerWeights' MXFP4 layout)
+  const bool mx = cfg.format == WeightFormat::kMxfp4;
+  const int64_t blk = mx ? kMxfp4Block : kNvfp4Block;
   auto* amax = static_cast<uint32_t*>(alloc(3 * static_cast<size_t>(std::max(E, 1)) * sizeof(uint32_t)));
 
   {
     ExpertSetOut o{};
     o.w13_codes = static_cast<uint8_t*>(alloc(static_cast<size_t>(E * 2 * I * H / 2)));
-    o.w13_scales = static_cast<uint8_t*>(alloc(static_cast<size_t>(E * 2 * I * H / 16)));
-    o.w13_global = static_cast<float*>(alloc(E * sizeof(float)));
+    o.w13_scales = static_cast<uint8_t*>(alloc(static_cast<size_t>(E * 2 * I * H / blk)));
+    o.w13_global = mx ? nullptr : static_cast<float*>(alloc(E * sizeof(float)));
     o.w2_codes = static_cast<uint8_t*>(alloc(static_cast<size_t>(E * H * I / 2)));
-    o.w2_scales = static_cast<uint8_t*>(alloc(static_cast<size_t>(E * H * I / 16)));
-    o.w2_global = static_cast<float*>(alloc(E * sizeof(float)));
+    o.w2_scales = static_cast<uint8_t*>(alloc(static_cast<size_t>(E * H * I / blk)));
+    o.w2_global = mx ? nullptr : static_cast<float*>(alloc(E * sizeof(float)));
     if (cfg.expert_bias) {
       o.b13 = static_cast<float*>(alloc(static_cast<size_t>(E * 2 * I) * sizeof(float)));
       o.b2 = static_cast<float*>(alloc(static_cast<size_t>(E * H) * sizeof(float)));
@@ -133,11 +154,11 @@ SyntheticDeviceLayer make_synthetic_layer_device(const MoeConfig& cfg, uint64_t 
     // The amax scratch is reused: stream order serializes the two sets.
     ExpertSetOut o{};
     o.w13_codes = static_cast<uint8_t*>(alloc(static_cast<size_t>(2 * Is * H / 2)));
-    o.w13_scales = static_cast<uint8_t*>(alloc(static_cast<size_t>(2 * Is * H / 16)));
-    o.w13_global = static_cast<float*>(alloc(sizeof(float)));
+    o.w13_scales = static_cast<uint8_t*>(alloc(static_cast<size_t>(2 * Is * H / blk)));
+    o.w13_global = mx ? nullptr : static_cast<float*>(alloc(sizeof(float)));
     o.w2_codes = static_cast<uint8_t*>(alloc(static_cast<size_t>(H * Is / 2)));
-    o.w2_scales = static_cast<uint8_t*>(alloc(static_cast<size_t>(H * Is / 16)));
-    o.w2_global = static_cast<float*>(alloc(sizeof(float)));
+    o.w2_scales = static_cast<uint8_t*>(alloc(static_cast<size_t>(H * Is / blk)));
+    o.w2_global = mx ? nullptr : static_cast<float*>(alloc(sizeof(float)));
     if (cfg.expert_bias) {
       o.b13 = static_cast<float*>(alloc(static_cast<size_t>(2 * Is) * sizeof(float)));
       o.b2 = static_cast<float*>(alloc(static_cast<size_t>(H) * sizeof(float)));

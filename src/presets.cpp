@@ -63,10 +63,9 @@ std::vector<MoeConfig> make_presets() {
     c.swiglu_alpha = 1.702f;
     c.swiglu_limit = 7.0f;
     c.expert_bias = true;
-    // The released checkpoint is MXFP4 (32-element blocks, E8M0 scales). The preset runs the same
-    // shapes with NVFP4 weights, the format this library's kernels consume; set format = kMxfp4 to
-    // describe the checkpoint itself.
-    c.format = WeightFormat::kNvfp4;
+    // The released checkpoint is MXFP4 (32-element blocks, E8M0 scales), and so is the preset: the
+    // GEMM runs it through the same kernel layout (nvfp4_weight_layout.hpp, MXFP4 scale decode).
+    c.format = WeightFormat::kMxfp4;
     p.push_back(c);
   }
   p.push_back(softmax_topk("mixtral-8x7b", 4096, 14336, 8, 2));

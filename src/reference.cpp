@@ -112,6 +112,58 @@ void decode_row(const Nvfp4Tensor& w, int64_t r, float* out) {
   }
 }
 
+// e2m1 * 2^(e-127) of one MXFP4 row, exact in float.
+void decode_row(const Mxfp4Tensor& w, int64_t r, float* out) {
+  const int64_t k = w.cols;
+  const uint8_t* codes = w.codes.data() + r * k / 2;
+  const uint8_t* scales = w.scales.data() + r * k / kMxfp4Block;
+  for (int64_t b = 0; b < k / kMxfp4Block; ++b) {
+    const float s = e8m0_to_float(scales[b]);
+    for (int i = 0; i < kMxfp4Block / 2; ++i) {
+      const uint8_t byte = codes[b * kMxfp4Block / 2 + i];
+      out[b * kMxfp4Block + 2 * i] = e2m1_to_float(byte & 0xf) * s;
+      out[b * kMxfp4Block + 2 * i + 1] = e2m1_to_float(byte >> 4) * s;
+    }
+  }
+}
+
+// One of an expert's three matrices, whatever its storage: shape, exact row decode, global scale.
+struct Mat {
+  const Nvfp4Tensor* nv = nullptr;
+  const Mxfp4Tensor* mx = nullptr;
+  const DenseMatrix* dn = nullptr;
+  int64_t rows() const { return nv ? nv->rows : mx ? mx->rows : dn->rows; }
+  int64_t cols() const { return nv ? nv->cols : mx ? mx->cols : dn->cols; }
+  double global() const { return nv ? nv->global_scale : 1.0; }
+  void decode(int64_t r, float* out) const {
+    if (nv) decode_row(*nv, r, out);
+    else if (mx) decode_row(*mx, r, out);
+    else std::copy_n(dn->values.data() + r * dn->cols, dn->cols, out);
+  }
+  // Byte counts match the shape (dense: value count).
+  bool consistent() const {
+    if (nv) return nv->codes.size() == static_cast<size_t>(rows() * cols() / 2) &&
+                   nv->scales.size() == static_cast<size_t>(rows() * cols() / kNvfp4Block);
+    if (mx) return mx->cols % kMxfp4Block == 0 && mx->codes.size() == static_cast<size_t>(rows() * cols() / 2) &&
+                   mx->scales.size() == static_cast<size_t>(rows() * cols() / kMxfp4Block);
+    return dn->values.size() == static_cast<size_t>(rows() * cols());
+  }
+};
+enum class Which { kGate, kUp, kDown };
+Mat mat(const ExpertWeights& w, Which which) {
+  Mat m;
+  switch (w.storage) {
+    case ExpertStorage::kNvfp4: m.nv = which == Which::kGate ? &w.gate : which == Which::kUp ? &w.up : &w.down; break;
+    case ExpertStorage::kMxfp4:
+      m.mx = which == Which::kGate ? &w.mx_gate : which == Which::kUp ? &w.mx_up : &w.mx_down;
+      break;
+    case ExpertStorage::kBf16:
+      m.dn = which == Which::kGate ? &w.dense_gate : which == Which::kUp ? &w.dense_up : &w.dense_down;
+      break;
+  }
+  return m;
+}
+
 // Double dot product; n % 4 == 0 (every K here is a multiple of 64). Four partial sums break the
 // add latency chain; in double the summation order changes the result by ~1e-16 relative.
 double dot(const float* a, const float* b, int64_t n) {
@@ -134,18 +186,23 @@ float activation(const MoeConfig& cfg, float g, float u) {
 // ie: the expert's intermediate width (I, or I * num_shared for the shared expert).
 void check_expert(const MoeConfig& cfg, const ExpertWeights& w, int expert, int64_t ie) {
   const int64_t h = cfg.hidden;
-  auto check = [&](const Nvfp4Tensor& t, const char* name, int64_t rows, int64_t cols) {
-    FP4MOE_REQUIRE(t.rows == rows && t.cols == cols,
-                   "expert {}: {} is [{}, {}]; config '{}' needs [{}, {}]", expert, name, t.rows, t.cols,
+  // Routed experts are stored in the config's format; a shared expert may also be dense bf16.
+  const ExpertStorage want = cfg.format == WeightFormat::kMxfp4 ? ExpertStorage::kMxfp4 : ExpertStorage::kNvfp4;
+  FP4MOE_REQUIRE(w.storage == want || (expert == kSharedExpert && w.storage == ExpertStorage::kBf16),
+                 "expert {}: weights are stored as {}; config '{}' needs {}{}", expert, static_cast<int>(w.storage),
+                 cfg.name, want == ExpertStorage::kMxfp4 ? "MXFP4" : "NVFP4",
+                 expert == kSharedExpert ? " (or bf16 for the shared expert)" : "");
+  auto check = [&](Which which, const char* name, int64_t rows, int64_t cols) {
+    const Mat t = mat(w, which);
+    FP4MOE_REQUIRE(t.rows() == rows && t.cols() == cols,
+                   "expert {}: {} is [{}, {}]; config '{}' needs [{}, {}]", expert, name, t.rows(), t.cols(),
                    cfg.name, rows, cols);
-    FP4MOE_REQUIRE(t.codes.size() == static_cast<size_t>(rows * cols / 2) &&
-                       t.scales.size() == static_cast<size_t>(rows * cols / kNvfp4Block),
-                   "expert {}: {} holds {} code bytes and {} scales; [{}, {}] needs {} and {}", expert, name,
-                   t.codes.size(), t.scales.size(), rows, cols, rows * cols / 2, rows * cols / kNvfp4Block);
+    FP4MOE_REQUIRE(t.consistent(), "expert {}: {} [{}, {}] holds a byte count that does not match its shape", expert,
+                   name, rows, cols);
   };
-  check(w.gate, "gate", ie, h);
-  check(w.up, "up", ie, h);
-  check(w.down, "down", h, ie);
+  check(Which::kGate, "gate", ie, h);
+  check(Which::kUp, "up", ie, h);
+  check(Which::kDown, "down", h, ie);
   if (cfg.expert_bias) {
     FP4MOE_REQUIRE(w.bias_gate.size() == static_cast<size_t>(ie) && w.bias_up.size() == static_cast<size_t>(ie) &&
                        w.bias_down.size() == static_cast<size_t>(h),
@@ -157,12 +214,13 @@ void check_expert(const MoeConfig& cfg, const ExpertWeights& w, int expert, int6
 // x: `rows` pointers to H floats. act: [rows, I_e].
 void gemm1_rows(const MoeConfig& cfg, const ExpertWeights& w, const std::vector<const float*>& x, bool round,
                 int64_t j0, int64_t j1, float* act) {
-  const int64_t h = w.gate.cols, ie = w.gate.rows;
-  const double gs_gate = w.gate.global_scale, gs_up = w.up.global_scale;
+  const Mat gate = mat(w, Which::kGate), up = mat(w, Which::kUp);
+  const int64_t h = gate.cols(), ie = gate.rows();
+  const double gs_gate = gate.global(), gs_up = up.global();
   std::vector<float> qg(static_cast<size_t>(h)), qu(static_cast<size_t>(h));
   for (int64_t j = j0; j < j1; ++j) {
-    decode_row(w.gate, j, qg.data());
-    decode_row(w.up, j, qu.data());
+    gate.decode(j, qg.data());
+    up.decode(j, qu.data());
     for (size_t r = 0; r < x.size(); ++r) {
       float g = static_cast<float>(dot(qg.data(), x[r], h) * gs_gate);
       float u = static_cast<float>(dot(qu.data(), x[r], h) * gs_up);
@@ -179,11 +237,12 @@ void gemm1_rows(const MoeConfig& cfg, const ExpertWeights& w, const std::vector<
 // act: [rows, I_e]; out: [rows, H]; row_scale: per row or null.
 void gemm2_rows(const MoeConfig& cfg, const ExpertWeights& w, const float* act, int64_t rows,
                 const float* row_scale, bool round, int64_t n0, int64_t n1, float* const* out) {
-  const int64_t ie = w.down.cols;
-  const double gs = w.down.global_scale;
+  const Mat down = mat(w, Which::kDown);
+  const int64_t ie = down.cols();
+  const double gs = down.global();
   std::vector<float> q(static_cast<size_t>(ie));
   for (int64_t n = n0; n < n1; ++n) {
-    decode_row(w.down, n, q.data());
+    down.decode(n, q.data());
     for (int64_t r = 0; r < rows; ++r) {
       float y = static_cast<float>(dot(q.data(), act + r * ie, ie) * gs);
       if (cfg.expert_bias) y += w.bias_down[n];
@@ -339,13 +398,20 @@ ExpertWeights make_synthetic_expert(const MoeConfig& cfg, uint64_t seed, int exp
     const std::vector<float> up = synth_weight_matrix(seed, tu, eid, ie, h, std1);
     // One global scale for gate and up, as newer ModelOpt exports do (a fused GEMM1 has one epilogue
     // multiplier).
-    const float gs = nvfp4_global_scale(std::max(amax(gate), amax(up)));
-    w.gate = quantize_nvfp4(gate, ie, h, gs);
-    w.up = quantize_nvfp4(up, ie, h, gs);
+    if (cfg.format == WeightFormat::kMxfp4) {
+      w.storage = ExpertStorage::kMxfp4;
+      w.mx_gate = quantize_mxfp4(gate, ie, h);
+      w.mx_up = quantize_mxfp4(up, ie, h);
+    } else {
+      const float gs = nvfp4_global_scale(std::max(amax(gate), amax(up)));
+      w.gate = quantize_nvfp4(gate, ie, h, gs);
+      w.up = quantize_nvfp4(up, ie, h, gs);
+    }
   }
   {
     const std::vector<float> down = synth_weight_matrix(seed, td, eid, h, ie, synthetic_weight_std(ie));
-    w.down = quantize_nvfp4(down, h, ie);
+    if (cfg.format == WeightFormat::kMxfp4) w.mx_down = quantize_mxfp4(down, h, ie);
+    else w.down = quantize_nvfp4(down, h, ie);
   }
   if (cfg.expert_bias) {
     const uint32_t bid = shared ? 0xffffffffu : static_cast<uint32_t>(expert);
@@ -459,14 +525,15 @@ float gptoss_swiglu_reference(float gate, float up, float alpha, float limit) {
 std::vector<float> expert_gemm1_reference(const MoeConfig& cfg, const ExpertWeights& w, std::span<const float> x,
                                           int64_t rows, const ReferenceOptions& opts) {
   FP4MOE_REQUIRE(rows > 0, "expert_gemm1_reference: rows = {} must be > 0", rows);
-  FP4MOE_REQUIRE(w.gate.rows > 0 && w.gate.rows % cfg.intermediate == 0,
+  const int64_t gate_rows = mat(w, Which::kGate).rows();
+  FP4MOE_REQUIRE(gate_rows > 0 && gate_rows % cfg.intermediate == 0,
                  "expert_gemm1_reference: gate has {} rows; must be a positive multiple of intermediate = {}",
-                 w.gate.rows, cfg.intermediate);
-  check_expert(cfg, w, 0, w.gate.rows);
+                 gate_rows, cfg.intermediate);
+  check_expert(cfg, w, w.storage == ExpertStorage::kBf16 ? kSharedExpert : 0, gate_rows);
   FP4MOE_REQUIRE(x.size() == static_cast<size_t>(rows * cfg.hidden),
                  "expert_gemm1_reference: x has {} values; rows * hidden = {} * {} = {}", x.size(), rows,
                  cfg.hidden, rows * cfg.hidden);
-  const int64_t ie = w.gate.rows;
+  const int64_t ie = gate_rows;
   std::vector<float> xr(x.begin(), x.end());
   if (opts.round_intermediates)
     for (float& v : xr) v = round_to_bf16(v);
@@ -484,11 +551,12 @@ std::vector<float> expert_gemm2_reference(const MoeConfig& cfg, const ExpertWeig
                                           int64_t rows, std::span<const float> row_scale,
                                           const ReferenceOptions& opts) {
   FP4MOE_REQUIRE(rows > 0, "expert_gemm2_reference: rows = {} must be > 0", rows);
-  FP4MOE_REQUIRE(w.down.cols > 0 && w.down.cols % cfg.intermediate == 0,
+  const int64_t down_cols = mat(w, Which::kDown).cols();
+  FP4MOE_REQUIRE(down_cols > 0 && down_cols % cfg.intermediate == 0,
                  "expert_gemm2_reference: down has {} columns; must be a positive multiple of intermediate = {}",
-                 w.down.cols, cfg.intermediate);
-  check_expert(cfg, w, 0, w.down.cols);
-  const int64_t ie = w.down.cols, h = cfg.hidden;
+                 down_cols, cfg.intermediate);
+  check_expert(cfg, w, w.storage == ExpertStorage::kBf16 ? kSharedExpert : 0, down_cols);
+  const int64_t ie = down_cols, h = cfg.hidden;
   FP4MOE_REQUIRE(act.size() == static_cast<size_t>(rows * ie),
                  "expert_gemm2_reference: act has {} values; rows * I_e = {} * {} = {}", act.size(), rows, ie,
                  rows * ie);

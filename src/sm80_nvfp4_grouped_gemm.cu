@@ -144,6 +144,9 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
     FP4MOE_REQUIRE(xa->max_rows > 0 && xa->max_rows <= INT_MAX, "extra weight set: max_rows = {} must be in [1, {}]",
                    xa->max_rows, INT_MAX);
     FP4MOE_REQUIRE(xa->row_scale == nullptr, "extra weight set: row_scale is not supported");
+    FP4MOE_REQUIRE(xw->format == w.format, "extra weight set: format {} must equal the routed set's {} (one scale "
+                   "decode per launch)", xw->format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4",
+                   w.format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4");
     FP4MOE_REQUIRE(w.num_experts + 1 <= kMaxExperts + 1, "routed experts + the extra set exceed {}", kMaxExperts + 1);
   }
   if (cfg.mma == 2) {
@@ -185,8 +188,9 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   p.max_rows = static_cast<int>(args.max_rows);
   p.alpha = args.swiglu_alpha;
   p.limit = args.swiglu_limit;
-  p.scale_mul = 16u;  // NVFP4 E4M3 block scales (decode_scale_pair)
-  p.scale_add = layout::kScaleBias;
+  const bool mx = w.format == WeightFormat::kMxfp4;
+  p.scale_mul = mx ? layout::kMxfp4ScaleMul : layout::kNvfp4ScaleMul;
+  p.scale_add = mx ? layout::kMxfp4ScaleAdd : layout::kNvfp4ScaleAdd;
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;

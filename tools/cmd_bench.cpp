@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_common.hpp"
+#include "checkpoint_cli.hpp"
 #include "commands.hpp"
 #include "ep_bench.hpp"
 #include "fp4moe/config.hpp"
@@ -127,7 +128,17 @@ void register_bench(CLI::App& app) {
   sub->add_option("--capacity-factor", args->capacity_factor,
                   "with --ep: EpCapacity::capacity_factor (0 = worst-case message sizes)")
       ->capture_default_str();
-  sub->callback([args] {
+  auto ck = std::make_shared<CheckpointBenchArgs>();
+  sub->add_option("--checkpoint", ck->dir, "Benchmark a real checkpoint's MoE layer instead of a preset");
+  sub->add_option("--layer", ck->layer, "With --checkpoint: the decoder layer (default: the first MoE layer)");
+  sub->add_flag("--routed-only", ck->routed_only, "With --checkpoint: routed experts only (no shared expert)");
+  sub->callback([args, ck] {
+    if (!ck->dir.empty()) {
+      ck->tokens = args->tokens;
+      ck->reps = args->reps;
+      ck->json = args->json;
+      return bench_checkpoint(*ck);
+    }
     FP4MOE_REQUIRE(gpu_available(), "bench needs a CUDA GPU and none was found (try `fp4moe run` for the CPU reference)");
     const MoeConfig& cfg = preset(args->model);
     if (args->ep > 0) {

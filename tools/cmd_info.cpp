@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include "checkpoint_cli.hpp"
 #include "commands.hpp"
 #include "fp4moe/cuda_check.hpp"
 
@@ -53,10 +54,16 @@ void run_info(bool quiet) {
 }  // namespace
 
 void register_info(CLI::App& app) {
-  auto* cmd = app.add_subcommand("info", "Show the CUDA GPU(s) and their limits; exit code 1 without a GPU");
+  auto* cmd = app.add_subcommand("info", "Show the CUDA GPU(s) and their limits; exit code 1 without a GPU. With "
+                                         "--checkpoint: the checkpoint's format, MoE layers and shapes (no GPU needed)");
   auto quiet = std::make_shared<bool>(false);
+  auto checkpoint = std::make_shared<std::string>();
   cmd->add_flag("-q,--quiet", *quiet, "Print nothing; only the exit code tells whether a GPU is present");
-  cmd->callback([quiet] { run_info(*quiet); });
+  cmd->add_option("--checkpoint", *checkpoint, "A checkpoint directory (config.json + safetensors)");
+  cmd->callback([quiet, checkpoint] {
+    if (!checkpoint->empty()) return print_checkpoint_info(*checkpoint);
+    run_info(*quiet);
+  });
 }
 
 }  // namespace fp4moe::cli

@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "checkpoint_cli.hpp"
 #include "commands.hpp"
 #include "fp4moe/config.hpp"
 #include "fp4moe/cuda_check.hpp"
@@ -144,7 +145,7 @@ void run(const RunArgs& a) {
                  : std::string(),
              cfg.renormalize && cfg.router != RouterKind::kGptOss ? ", renormalized" : "", cfg.routed_scaling,
              cfg.activation == Activation::kGptOssSwiGLU ? "clamped SwiGLU (gpt-oss)" : "SwiGLU",
-             cfg.expert_bias ? " with biases" : "", "NVFP4");
+             cfg.expert_bias ? " with biases" : "", cfg.format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4");
   fmt::print("tokens: {}, seed: {}\n", t_count, a.seed);
   std::vector<float> gpu_out;
   if (!a.cpu && gpu_available()) {
@@ -233,7 +234,22 @@ void register_run(CLI::App& app) {
   cmd->add_flag("--no-round", a->no_round, "Skip the GPU's bf16 rounding points (pure float path; with --cpu)");
   cmd->add_flag("--cpu", a->cpu, "Run the CPU reference even when a GPU is present");
   cmd->add_flag("--check", a->check, "With a GPU: also run the CPU reference and compare");
-  cmd->callback([a] { run(*a); });
+  auto ck = std::make_shared<CheckpointRunArgs>();
+  cmd->add_option("--checkpoint", ck->dir, "Run a real checkpoint's MoE layer (config.json + safetensors directory)");
+  cmd->add_option("--layer", ck->layer, "With --checkpoint: the decoder layer (default: the first MoE layer)");
+  cmd->add_flag("--routed-only", ck->routed_only, "With --checkpoint: routed experts only (no shared expert)");
+  cmd->callback([a, ck] {
+    if (ck->dir.empty()) return run(*a);
+    FP4MOE_REQUIRE(a->model.empty() && !a->hidden && !a->intermediate && !a->experts && !a->top_k,
+                   "--checkpoint takes its shapes from the checkpoint; drop --model/--hidden/--intermediate/"
+                   "--experts/--top-k");
+    ck->tokens = a->tokens;
+    ck->seed = a->seed;
+    ck->cpu = a->cpu;
+    ck->check = a->check;
+    ck->threads = a->threads;
+    run_checkpoint(*ck);
+  });
 }
 
 }  // namespace fp4moe::cli

@@ -9,7 +9,7 @@
   do {                                                                                        \
     cudaError_t fp4moe_err_ = (call);                                                         \
     if (fp4moe_err_ != cudaSuccess)                                                           \
-      ::fp4moe::throw_error(__FILE__, __LINE__,                                               \
+      ::fp4moe::throw_error(FP4MOE_SOURCE_FILE, __LINE__,                                               \
                             fmt::format("CUDA call `{}` failed: {} ({})", #call,              \
                                         cudaGetErrorName(fp4moe_err_),                        \
                                         cudaGetErrorString(fp4moe_err_)));                    \
@@ -22,7 +22,7 @@
   do {                                                                                        \
     cublasStatus_t fp4moe_st_ = (call);                                                       \
     if (fp4moe_st_ != CUBLAS_STATUS_SUCCESS)                                                  \
-      ::fp4moe::throw_error(__FILE__, __LINE__,                                               \
+      ::fp4moe::throw_error(FP4MOE_SOURCE_FILE, __LINE__,                                               \
                             fmt::format("cuBLAS call `{}` failed: {}", #call,                 \
                                         cublasGetStatusString(fp4moe_st_)));                  \
   } while (0)

@@ -33,11 +33,19 @@ class ResourceError : public Error {
 
 }  // namespace fp4moe
 
+// The source location in messages: the file's name only (gcc >= 12, clang and nvcc's host pass define
+// __FILE_NAME__), so no build-machine path reaches a user.
+#if defined(__FILE_NAME__)
+#define FP4MOE_SOURCE_FILE __FILE_NAME__
+#else
+#define FP4MOE_SOURCE_FILE __FILE__
+#endif
+
 // FP4MOE_REQUIRE(cond, "fmt", args...): the message must name the argument, the value and the rule,
 // e.g. FP4MOE_REQUIRE(k % 16 == 0, "K = {} must be a multiple of 16 (the NVFP4 block)", k).
 #define FP4MOE_REQUIRE(cond, ...)                                               \
   do {                                                                          \
-    if (!(cond)) ::fp4moe::throw_error(__FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
+    if (!(cond)) ::fp4moe::throw_error(FP4MOE_SOURCE_FILE, __LINE__, fmt::format(__VA_ARGS__)); \
   } while (0)
 
-#define FP4MOE_FAIL(...) ::fp4moe::throw_error(__FILE__, __LINE__, fmt::format(__VA_ARGS__))
+#define FP4MOE_FAIL(...) ::fp4moe::throw_error(FP4MOE_SOURCE_FILE, __LINE__, fmt::format(__VA_ARGS__))

@@ -12,6 +12,7 @@
 
 #include <cuda_runtime.h>
 
+#include "fp4moe/config.hpp"
 #include "fp4moe/tile_config.hpp"
 
 namespace fp4moe {
@@ -33,6 +34,9 @@ struct GroupedWeightsView {
   const float* global_scale = nullptr;      // [E]: dequant multiplier (ModelOpt weight_scale_2)
   const float* global_scale_up = nullptr;   // [E] or null: the up half's own global scale (SwiGLU)
   const float* bias = nullptr;              // [E, n] fp32 or null (gpt-oss), rows of the on-disk order
+  // How the repacked scale bytes decode (nvfp4_weight_layout.hpp): kNvfp4 (repack_nvfp4_*) or kMxfp4
+  // (repack_mxfp4_*, whose global_scale carries each expert's exponent offset).
+  WeightFormat format = WeightFormat::kNvfp4;
 };
 
 struct GroupedGemmArgs {
@@ -90,5 +94,24 @@ void unpack_nvfp4_weights(const uint8_t* codes_in, const uint8_t* scales_in, int
 void repack_nvfp4_weights_device(const uint8_t* codes, const uint8_t* scales, int num_experts, int64_t n,
                                  int64_t k, bool gate_up_interleave, uint8_t* codes_out,
                                  uint8_t* scales_out, cudaStream_t stream);
+
+// ---- MXFP4 (OCP: E8M0 scale 2^(e-127) per 32 elements along K) into the same kernel layout ----
+// codes: [n, k/2] as above; scales: [n, k/32] E8M0. Each per-32 scale fills the two per-16 slots of
+// the NVFP4 layout with the byte e + c_expert (nvfp4_weight_layout.hpp), and global_out[0] (per expert)
+// receives 2^(max_e - 136), the scale the epilogue applies; the kernel then reproduces the MXFP4
+// values exactly. Refused, naming expert, row and k-block: an E8M0 NaN (0xFF); a block with nonzero
+// codes more than 126 binades below the expert's largest (its bf16 products would be subnormal);
+// an expert whose largest scale is below 2^-117. Requires n % 16 == 0, k % 64 == 0.
+void repack_mxfp4_weights(const uint8_t* codes, const uint8_t* scales, int64_t n, int64_t k,
+                          bool gate_up_interleave, uint8_t* codes_out, uint8_t* scales_out, float* global_out);
+// The inverse (tests): codes and the E8M0 scales of every block with a nonzero code (a block whose
+// codes are all zero dequantizes to zero whatever its scale; its scale is returned clamped).
+void unpack_mxfp4_weights(const uint8_t* codes_in, const uint8_t* scales_in, float global, int64_t n, int64_t k,
+                          bool gate_up_interleave, uint8_t* codes, uint8_t* scales);
+// num_experts consecutive experts in device memory; global_out: device [num_experts]. Synchronizes
+// `stream` once (to report malformed scales).
+void repack_mxfp4_weights_device(const uint8_t* codes, const uint8_t* scales, int num_experts, int64_t n,
+                                 int64_t k, bool gate_up_interleave, uint8_t* codes_out, uint8_t* scales_out,
+                                 float* global_out, cudaStream_t stream);
 
 }  // namespace fp4moe

@@ -27,10 +27,12 @@ namespace fp4moe {
 // Is = I * cfg.num_shared (the shared expert is one expert of width Is).
 // The constructor copies what it needs (repacked codes and scales, global scales, biases, router
 // tensors) into memory the layer owns, so these buffers may be freed once it returns.
+// cfg.format == kMxfp4 (gpt-oss): the scales are E8M0 [.., K/32] instead and the global scales must be
+// null (the repack derives each expert's FP32 scale from its E8M0 exponents); K % 32 == 0.
 struct MoeLayerWeights {
   const uint8_t* w13_codes = nullptr;      // [E, 2I, H/2]: rows 0..I-1 gate, I..2I-1 up
-  const uint8_t* w13_scales = nullptr;     // [E, 2I, H/16] E4M3
-  const float* w13_global = nullptr;       // [E] gate (and up, unless w13_global_up is given)
+  const uint8_t* w13_scales = nullptr;     // [E, 2I, H/16] E4M3 (MXFP4: [E, 2I, H/32] E8M0)
+  const float* w13_global = nullptr;       // [E] gate (and up, unless w13_global_up is given); MXFP4: null
   const float* w13_global_up = nullptr;    // [E] or null
   const float* b13 = nullptr;              // [E, 2I] fp32 (gate then up) or null; required iff cfg.expert_bias
   const uint8_t* w2_codes = nullptr;       // [E, H, I/2]
@@ -49,6 +51,15 @@ struct MoeLayerWeights {
   const uint8_t* shared_w2_scales = nullptr;   // [H, Is/16]
   const float* shared_w2_global = nullptr;     // [1]
   const float* shared_b2 = nullptr;            // [H] or null; required iff cfg.expert_bias
+  // A bf16 shared expert instead (checkpoints that keep it unquantized, e.g. ModelOpt's experts-only
+  // recipe): give these two and leave the quantized shared_* pointers null. It runs as two cuBLAS bf16
+  // GEMMs (fp32 accumulation; gate/up kept fp32, activation rounded to bf16, output rounded to bf16:
+  // the reference's rounding points). No biases (expert_bias must be false).
+  const void* shared_w13_bf16 = nullptr;       // bf16 [2Is, H]: rows 0..Is-1 gate, Is..2Is-1 up
+  const void* shared_w2_bf16 = nullptr;        // bf16 [H, Is]
+  // Routed experts only: the layer ignores cfg.num_shared (config() reports num_shared = 0) and the
+  // caller adds its own shared expert's output to `out`. Shared-expert pointers must then be null.
+  bool routed_only = false;
 };
 
 // Stages, in order, for timing (forward's stage_events). The shared expert's two GEMMs are counted in
@@ -81,6 +92,7 @@ struct MoeWorkspaceLayout {
   size_t gemm2_out = 0;          // bf16 [max_T * k, H]
   size_t shared_gemm1_out = 0;   // bf16 [max_T, Is]
   size_t shared_gemm2_out = 0;   // bf16 [max_T, H]
+  size_t shared_gate_up = 0;     // fp32 [max_T, 2Is]   (only for a bf16 shared expert)
   size_t total = 0;
 };
 
@@ -99,11 +111,13 @@ struct MoeIntermediates {
 };
 
 // ---- Host-only checks and sizes (no GPU needed) ----
-// cfg.validate() plus the layer's own limits (NVFP4 weights, n_group <= 32). Throws fp4moe::Error.
+// cfg.validate() plus the layer's own limits (n_group <= 32). Throws fp4moe::Error.
 void validate_moe_layer_config(const MoeConfig& cfg);
 // Null / alignment checks of the weight pointers against the config.
 void validate_moe_layer_weights(const MoeConfig& cfg, const MoeLayerWeights& w);
-MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens, bool router_gemm);
+// bf16_shared: the layer's shared expert is bf16 (MoeLayerWeights::shared_w13_bf16).
+MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens, bool router_gemm,
+                                        bool bf16_shared = false);
 // The permutation works on chunks of this many (token, slot) entries, one block each.
 inline constexpr int kMoePermuteChunk = 2048;
 int64_t moe_permute_chunks(int64_t n);  // ceil(n / kMoePermuteChunk)

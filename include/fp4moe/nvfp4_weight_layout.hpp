@@ -32,6 +32,27 @@ FP4MOE_HD constexpr int pair_sign_pos(int pair) { return pair == 0 ? 9 : pair ==
 inline constexpr uint32_t kScaleBias = (236u << 7) | (236u << 23);  // bf16 exponent bias, both halves
 inline constexpr float kAccumulatorScale = 256.0f;                    // 2^8, undone in the epilogue
 
+// The kernel decodes a pair of scale bytes as pair * scale_mul + scale_add (GroupedGemmParams):
+//   NVFP4: the byte above (E4M3 re-encoded); * 16 + kScaleBias = bf16 {s * 2^118} per half.
+//   MXFP4: one byte per 16-wide k block like NVFP4 (each E8M0 per-32 scale fills its two slots), the
+//   byte b = e + c_expert, where e is the E8M0 exponent field (scale 2^(e-127)) and
+//   c_expert = 254 - (max e over the expert's blocks that hold a nonzero code), so b <= 254; * 128
+//   places b in the bf16 exponent field: bf16 2^(b-127). A weight then dequantizes to
+//   (v * 2^-126) * 2^(b-127) = v * 2^(e-127) * 2^(c_expert-126) = w * 2^(c_expert-126), exact and normal
+//   in bf16 as long as the smallest nonzero |v| (0.5) keeps 0.5 * 2^(b-253) >= 2^-126, i.e. b >= 128
+//   (kMxfp4MinByte; a block below it is refused by the repack, naming expert, row and block). The
+//   epilogue multiplies by global * kAccumulatorScale = global * 2^8, so the per-expert FP32 global
+//   scale is 2^(126 - c_expert - 8) = 2^(118 - c_expert) = 2^(max_e - 136): exact, and a normal float
+//   for max_e >= 10 (kMxfp4MinMaxExponent; smaller would be weights below 2^-117 throughout an expert).
+inline constexpr uint32_t kNvfp4ScaleMul = 16u;
+inline constexpr uint32_t kNvfp4ScaleAdd = kScaleBias;
+inline constexpr uint32_t kMxfp4ScaleMul = 128u;
+inline constexpr uint32_t kMxfp4ScaleAdd = 0u;
+inline constexpr int kMxfp4MinByte = 128;
+inline constexpr int kMxfp4MinMaxExponent = 10;
+FP4MOE_HD int mxfp4_expert_offset(int max_e) { return 254 - max_e; }            // c_expert
+FP4MOE_HD float mxfp4_expert_global(int max_e) { return bits_float(static_cast<uint32_t>(max_e - 136 + 127) << 23); }
+
 // Row order inside a 16-row tile. kPairs (plain epilogue): local rows g and g+8 hold features 2g and
 // 2g+1, so one lane's two accumulators of a token are adjacent outputs (4-byte stores, full sectors).
 // kGateUp (SwiGLU epilogue): rows 0-7 are gate rows 8t..8t+7, rows 8-15 the same up rows, so a lane

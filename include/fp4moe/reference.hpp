@@ -70,9 +70,24 @@ Routing route_reference(const MoeConfig& cfg, std::span<const float> logits, std
 // One expert in the on-disk (ModelOpt) NVFP4 layout. gate, up: [I_e, H]; down: [H, I_e], where
 // I_e = cfg.intermediate for a routed expert and cfg.intermediate * cfg.num_shared for the shared one.
 // Biases only when cfg.expert_bias (gpt-oss): bias_gate, bias_up [I_e], bias_down [H]; else empty.
+// How an expert's three matrices are held: NVFP4 (gate, up, down), MXFP4 (mx_gate, mx_up, mx_down:
+// cfg.format == kMxfp4, OCP E8M0 scales, no global scale) or dense bf16 values (dense_*: a shared
+// expert that a checkpoint keeps unquantized). The GEMMs treat all three alike: exact dequantized
+// values in float, a double dot product, the global scale (NVFP4 only) once on the sum.
+enum class ExpertStorage { kNvfp4, kMxfp4, kBf16 };
+
+// Row-major [rows, cols] floats (bf16-valued when they come from a bf16 checkpoint tensor).
+struct DenseMatrix {
+  int64_t rows = 0, cols = 0;
+  std::vector<float> values;
+};
+
 struct ExpertWeights {
   Nvfp4Tensor gate, up, down;
   std::vector<float> bias_gate, bias_up, bias_down;
+  ExpertStorage storage = ExpertStorage::kNvfp4;
+  Mxfp4Tensor mx_gate, mx_up, mx_down;        // storage == kMxfp4
+  DenseMatrix dense_gate, dense_up, dense_down;  // storage == kBf16
 };
 
 // The expert index that names the shared expert(s): one expert of width I * num_shared.
@@ -86,6 +101,7 @@ inline constexpr int kSharedExpert = -1;
 //   down[n, j] = synth_weight(seed, kW2,     e, n, j, std2)   std2 = synthetic_weight_std(I_e)
 //   gate and up are quantized with ONE global scale nvfp4_global_scale(max(amax(gate), amax(up)));
 //   down with its own (quantize_nvfp4 default).
+//   cfg.format == kMxfp4: the same values quantized with quantize_mxfp4 (storage kMxfp4, mx_* tensors).
 //   gpt-oss biases (cfg.expert_bias), bf16-valued (the checkpoint stores bf16):
 //     bias_gate[j] = round_to_bf16(synth_weight(seed, kBias1, e, 0, j,       0.1f))
 //     bias_up[j]   = round_to_bf16(synth_weight(seed, kBias1, e, 0, I_e + j, 0.1f))   (fused [gate; up])

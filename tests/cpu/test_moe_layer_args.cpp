@@ -20,10 +20,11 @@ MoeLayerWeights complete_weights(const MoeConfig& cfg) {
   MoeLayerWeights w;
   w.w13_codes = fake<uint8_t>(1);
   w.w13_scales = fake<uint8_t>(2);
-  w.w13_global = fake<float>(3);
+  const bool mx = cfg.format == WeightFormat::kMxfp4;  // MXFP4 has no global scales
+  w.w13_global = mx ? nullptr : fake<float>(3);
   w.w2_codes = fake<uint8_t>(4);
   w.w2_scales = fake<uint8_t>(5);
-  w.w2_global = fake<float>(6);
+  w.w2_global = mx ? nullptr : fake<float>(6);
   if (cfg.expert_bias) {
     w.b13 = fake<float>(7);
     w.b2 = fake<float>(8);
@@ -32,10 +33,10 @@ MoeLayerWeights complete_weights(const MoeConfig& cfg) {
   if (cfg.num_shared > 0) {
     w.shared_w13_codes = fake<uint8_t>(10);
     w.shared_w13_scales = fake<uint8_t>(11);
-    w.shared_w13_global = fake<float>(12);
+    w.shared_w13_global = mx ? nullptr : fake<float>(12);
     w.shared_w2_codes = fake<uint8_t>(13);
     w.shared_w2_scales = fake<uint8_t>(14);
-    w.shared_w2_global = fake<float>(15);
+    w.shared_w2_global = mx ? nullptr : fake<float>(15);
     if (cfg.expert_bias) {
       w.shared_b13 = fake<float>(16);
       w.shared_b2 = fake<float>(17);
@@ -61,9 +62,6 @@ TEST(MoeLayerArgs, EveryPresetIsAValidLayerConfig) {
 }
 
 TEST(MoeLayerArgs, RejectsUnsupportedConfigs) {
-  MoeConfig c = preset("gpt-oss-120b");
-  c.format = WeightFormat::kMxfp4;
-  EXPECT_NE(error_of([&] { validate_moe_layer_config(c); }).find("NVFP4"), std::string::npos);
   MoeConfig g = preset("deepseek-v3");
   g.num_experts = 512;
   g.n_group = 64;
@@ -98,6 +96,46 @@ TEST(MoeLayerArgs, RejectsMissingOrMisplacedWeights) {
   w = complete_weights(qwen);
   w.router_bias = fake<float>(21);
   EXPECT_NE(error_of([&] { validate_moe_layer_weights(qwen, w); }).find("softmax"), std::string::npos);
+}
+
+TEST(MoeLayerArgs, Mxfp4WeightsCarryNoGlobalScale) {
+  const MoeConfig& gptoss = preset("gpt-oss-120b");
+  ASSERT_EQ(gptoss.format, WeightFormat::kMxfp4);
+  EXPECT_NO_THROW(validate_moe_layer_config(gptoss));
+  MoeLayerWeights w = complete_weights(gptoss);
+  w.w13_global = fake<float>(3);
+  EXPECT_NE(error_of([&] { validate_moe_layer_weights(gptoss, w); }).find("MXFP4"), std::string::npos);
+}
+
+TEST(MoeLayerArgs, Bf16SharedExpertAndRoutedOnly) {
+  const MoeConfig& glm = preset("glm-5");
+  MoeLayerWeights w = complete_weights(glm);
+  // bf16 shared expert instead of the quantized one
+  w.shared_w13_codes = w.shared_w13_scales = w.shared_w2_codes = w.shared_w2_scales = nullptr;
+  w.shared_w13_global = w.shared_w2_global = nullptr;
+  w.shared_w13_bf16 = fake<uint8_t>(30);
+  w.shared_w2_bf16 = fake<uint8_t>(31);
+  EXPECT_NO_THROW(validate_moe_layer_weights(glm, w));
+  w.shared_w2_bf16 = nullptr;
+  EXPECT_NE(error_of([&] { validate_moe_layer_weights(glm, w); }).find("shared_w2_bf16"), std::string::npos);
+  w.shared_w2_bf16 = fake<uint8_t>(31);
+  w.shared_w13_codes = fake<uint8_t>(10);  // both kinds at once
+  EXPECT_NE(error_of([&] { validate_moe_layer_weights(glm, w); }).find("one of the two"), std::string::npos);
+  // routed-only: no shared-expert pointers at all
+  EXPECT_NO_THROW(validate_moe_layer_weights(glm, [&] {
+    MoeLayerWeights x = complete_weights(glm);
+    x.shared_w13_codes = x.shared_w13_scales = x.shared_w2_codes = x.shared_w2_scales = nullptr;
+    x.shared_w13_global = x.shared_w2_global = nullptr;
+    x.routed_only = true;
+    return x;
+  }()));
+  MoeLayerWeights y = complete_weights(glm);
+  y.routed_only = true;
+  EXPECT_NE(error_of([&] { validate_moe_layer_weights(glm, y); }).find("routed_only"), std::string::npos);
+  // the bf16 shared expert's fp32 gate/up scratch is in the workspace
+  const MoeWorkspaceLayout l = moe_workspace_layout(glm, 64, false, /*bf16_shared=*/true);
+  EXPECT_GE(l.total - l.shared_gate_up, size_t(64) * 2 * glm.intermediate * 4);
+  EXPECT_EQ(l.shared_gate_up % 256, 0u);
 }
 
 TEST(MoeLayerArgs, WorkspaceLayoutIsAlignedAndSized) {

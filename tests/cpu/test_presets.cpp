@@ -47,7 +47,7 @@ TEST(Presets, MatchModelsTable) {
     EXPECT_EQ(c.topk_group, r.topk_group);
     EXPECT_EQ(c.routed_scaling, r.scaling);
     EXPECT_EQ(c.activation, r.act);
-    EXPECT_EQ(c.format, WeightFormat::kNvfp4);
+    EXPECT_EQ(c.format, c.name == "gpt-oss-120b" ? WeightFormat::kMxfp4 : WeightFormat::kNvfp4);  // gpt-oss ships MXFP4
     EXPECT_EQ(c.gemm1_n(), 2 * r.i);
     EXPECT_EQ(c.gemm1_k(), r.h);
     EXPECT_EQ(c.gemm2_n(), r.h);

@@ -272,6 +272,7 @@ ExpertWeights recipe_expert(const MoeConfig& c, uint64_t seed, int expert) {
 MoeConfig small_gptoss() {
   MoeConfig c = preset("gpt-oss-120b");
   c.name = "small-gpt-oss";
+  c.format = WeightFormat::kNvfp4;  // the NVFP4 recipe on gpt-oss shapes (MXFP4: test_mxfp4_layout.cpp)
   c.hidden = 128;
   c.intermediate = 192;
   c.num_experts = 6;

@@ -29,7 +29,7 @@ __global__ void dequant_all_kernel(const uint32_t* words, const uint32_t* scale_
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= count) return;
   uint32_t a[4];
-  kernels::dequant_fragment(words[i], kernels::decode_scale_pair(scale_pairs[i]), a);
+  kernels::dequant_fragment(words[i], kernels::decode_scale_pair(scale_pairs[i], layout::kNvfp4ScaleMul, layout::kNvfp4ScaleAdd), a);
   for (int q = 0; q < 4; ++q) out[4 * i + q] = a[q];
 }
 

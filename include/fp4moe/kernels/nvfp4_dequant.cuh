@@ -8,9 +8,11 @@
 namespace fp4moe::kernels {
 
 // Two re-encoded scale bytes (rows g and g+8 of a k16 block), zero-extended into the two 16-bit
-// halves of `pair`, become bf16x2 {s_g * 2^118, s_g8 * 2^118}: one IMAD.
-__device__ __forceinline__ uint32_t decode_scale_pair(uint32_t pair) {
-  return pair * 16u + ((236u << 7) | (236u << 23));
+// halves of `pair`, become bf16x2 scales: one IMAD. NVFP4: scale_mul 16, scale_add (236<<7)|(236<<23)
+// gives {s_g * 2^118, s_g8 * 2^118}; MXFP4: 128 and 0 give {2^(b_g-127), 2^(b_g8-127)}
+// (nvfp4_weight_layout.hpp). The two values come from GroupedGemmParams, read once per kernel.
+__device__ __forceinline__ uint32_t decode_scale_pair(uint32_t pair, uint32_t scale_mul, uint32_t scale_add) {
+  return pair * scale_mul + scale_add;
 }
 
 __device__ __forceinline__ __nv_bfloat162 as_bf162(uint32_t u) {

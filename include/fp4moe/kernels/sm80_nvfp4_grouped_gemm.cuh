@@ -60,7 +60,8 @@ struct GroupedGemmParams {
   float alpha;
   float limit;
   // Block-scale decode: a pair of repacked scale bytes in the two 16-bit halves becomes the bf16x2 scale
-  // pair * scale_mul + scale_add (NVFP4 E4M3: 16, (236 << 7) | (236 << 23), decode_scale_pair's constants).
+  // pair * scale_mul + scale_add (NVFP4 E4M3: 16, (236 << 7) | (236 << 23); MXFP4: 128, 0; see
+  // nvfp4_weight_layout.hpp). Both weight sets of a launch share the format.
   uint32_t scale_mul;
   uint32_t scale_add;
 };
@@ -391,6 +392,8 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   WorkTile tile = decode_tile<BT>(static_cast<int>(blockIdx.x), s_prefix, p, E);
   int stage_idx = 0;
   const int g = lane >> 2;
+  // the scale decode's two operands, in registers for the whole kernel (one IMAD per scale pair)
+  const uint32_t scale_mul = p.scale_mul, scale_add = p.scale_add;
 
   int it = 0;
   for (int tile_idx = 0; tile_idx < my_tiles; ++tile_idx) {
@@ -432,7 +435,8 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
           wgmma_wait<1>();
           const uint32_t w = j == 0 ? words.x : j == 1 ? words.y : j == 2 ? words.z : words.w;
           const uint32_t sw = j < 2 ? sc.x : sc.y;
-          dequant_fragment(w, decode_scale_pair(__byte_perm(sw, 0u, (j & 1) ? 0x4342u : 0x4140u)), abuf[q & 1]);
+          dequant_fragment(w, decode_scale_pair(__byte_perm(sw, 0u, (j & 1) ? 0x4342u : 0x4140u), scale_mul, scale_add),
+                           abuf[q & 1]);
           wgmma_fence();
           wgmma_rs<BT>(acc[0], abuf[q & 1], wgmma_desc_k_major_sw128(st_act + c * BT * 128 + j * 32),
                        (kt == 0 && q == 0) ? 0 : 1);
@@ -464,7 +468,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
             const uint32_t sw = j < 2 ? sc[i].x : sc[i].y;
             // bytes (row g, row g+8) of k16 block j -> the two 16-bit halves
             const uint32_t pair = __byte_perm(sw, 0u, (j & 1) ? 0x4342u : 0x4140u);
-            dequant_fragment(w, decode_scale_pair(pair), a[i]);
+            dequant_fragment(w, decode_scale_pair(pair, scale_mul, scale_add), a[i]);
           }
 #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {

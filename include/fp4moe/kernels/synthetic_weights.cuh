@@ -92,6 +92,34 @@ __global__ void synth_quantize_kernel(uint64_t seed, uint32_t tensor, uint32_t e
   scales[drow * kb_per_row + kb] = s;
 }
 
+// MXFP4 (cfg.format == kMxfp4): one thread per 32-element block, quantize_mxfp4's recipe (OCP: E8M0
+// scale from the block amax, no global scale). Scales [E, dst_rows, cols/32].
+__global__ void synth_quantize_mxfp4_kernel(uint64_t seed, uint32_t tensor, uint32_t expert_base, int64_t rows,
+                                            int64_t cols, float std, int64_t dst_row0, int64_t dst_rows,
+                                            uint8_t* codes, uint8_t* scales) {
+  const int64_t e = blockIdx.y;
+  const int64_t kb_per_row = cols / kMxfp4Block;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= rows * kb_per_row) return;
+  const int64_t r = b / kb_per_row, kb = b % kb_per_row;
+  const SynthRow sr = synth_row(seed, tensor, expert_base + static_cast<uint32_t>(e), static_cast<uint64_t>(r), std);
+  float x[kMxfp4Block];
+  float bamax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kMxfp4Block; ++i) {
+    x[i] = synth_row_value(sr, static_cast<uint64_t>(kb * kMxfp4Block + i));
+    const float a = fabsf(x[i]);
+    bamax = a > bamax ? a : bamax;  // amax_of's comparison
+  }
+  const uint8_t s = mxfp4_scale_code(bamax);
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < kMxfp4Block; ++i) w[i / 8] |= static_cast<uint32_t>(mxfp4_quantize_element(x[i], s)) << (4 * (i % 8));
+  const int64_t drow = e * dst_rows + dst_row0 + r;
+  *reinterpret_cast<uint4*>(codes + drow * (cols / 2) + kb * 16) = make_uint4(w[0], w[1], w[2], w[3]);
+  scales[drow * kb_per_row + kb] = s;
+}
+
 // out[e, c] = round_to_bf16(synth_weight(seed, tensor, expert_base + e, 0, col0 + c, 0.1f)), c < n,
 // written at [e * dst_stride + dst_col0 + c] (synth_bias). grid: (blocks, experts).
 __global__ void synth_bias_kernel(uint64_t seed, uint32_t tensor, uint32_t expert_base, int64_t col0, int64_t n,
