@@ -16,6 +16,7 @@
 #include "fp4moe/kernels/routing_topk.cuh"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/tuner.hpp"
+#include "launch.hpp"
 #include "moe_layer_internal.hpp"
 
 namespace fp4moe {
@@ -145,19 +146,18 @@ void require_rows(const char* fn, const void* p, const char* name, int64_t hidde
 int row_slices(int64_t h8, int threads) { return static_cast<int>((h8 + threads - 1) / threads); }
 
 void launch_gather(const void* hidden, int64_t tokens, int64_t h8, const int32_t* row_of, int top_k, void* sorted,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, bool pdl = false) {
   const int slices = row_slices(h8, kernels::kGatherThreads);
-  kernels::moe_gather_kernel<<<static_cast<unsigned>(tokens * slices), kernels::kGatherThreads, 0, stream>>>(
-      static_cast<const uint4*>(hidden), h8, slices, row_of, top_k, static_cast<int>(tokens * top_k),
-      static_cast<uint4*>(sorted));
-  FP4MOE_CUDA_CHECK_LAUNCH();
+  detail::launch(kernels::moe_gather_kernel, dim3(static_cast<unsigned>(tokens * slices)), dim3(kernels::kGatherThreads),
+                 0, stream, pdl, static_cast<const uint4*>(hidden), h8, slices, row_of, top_k,
+                 static_cast<int>(tokens * top_k), static_cast<uint4*>(sorted));
 }
 }  // namespace
 
 void moe_permute_gather(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids,
                         const float* topk_weights, int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of,
                         float* row_scale, int32_t* shared_offsets, const void* hidden, int64_t hidden_size,
-                        void* sorted, cudaStream_t stream, PermutePath path) {
+                        void* sorted, cudaStream_t stream, PermutePath path, bool pdl) {
   FP4MOE_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts, "moe_permute: num_experts = {} must be in [1, {}]",
                  num_experts, kMaxExperts);
   FP4MOE_REQUIRE(top_k >= 1 && top_k <= kMaxTopK, "moe_permute: top_k = {} must be in [1, {}]", top_k, kMaxTopK);
@@ -183,29 +183,25 @@ void moe_permute_gather(int num_experts, int top_k, int64_t tokens, const int32_
     const auto blocks = static_cast<unsigned>((tokens + tpb - 1) / tpb);
     const int64_t h8 = gather ? hidden_size / 8 : 0;
     if (gather) {
-      kernels::moe_permute_small_kernel<true><<<blocks, kernels::kSmallPermuteThreads, 0, stream>>>(
-          topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb, expert_offsets, row_of,
-          row_scale, shared_offsets, static_cast<const uint4*>(hidden), h8, static_cast<uint4*>(sorted));
+      detail::launch(kernels::moe_permute_small_kernel<true>, dim3(blocks), dim3(kernels::kSmallPermuteThreads), 0,
+                     stream, pdl, topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb,
+                     expert_offsets, row_of, row_scale, shared_offsets, static_cast<const uint4*>(hidden), h8,
+                     static_cast<uint4*>(sorted));
     } else {
-      kernels::moe_permute_small_kernel<false><<<blocks, kernels::kSmallPermuteThreads, 0, stream>>>(
-          topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb, expert_offsets, row_of,
-          row_scale, shared_offsets, nullptr, 0, nullptr);
+      detail::launch(kernels::moe_permute_small_kernel<false>, dim3(blocks), dim3(kernels::kSmallPermuteThreads), 0,
+                     stream, pdl, topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb,
+                     expert_offsets, row_of, row_scale, shared_offsets, nullptr, int64_t{0}, nullptr);
     }
-    FP4MOE_CUDA_CHECK_LAUNCH();
     return;
   }
   const auto chunks = static_cast<unsigned>(moe_permute_chunks(n));
-  kernels::moe_count_kernel<<<chunks, kernels::kPermuteWarps * 32, 0, stream>>>(topk_ids, n, num_experts,
-                                                                                   chunk_counts);
-  FP4MOE_CUDA_CHECK_LAUNCH();
-  kernels::moe_scan_kernel<<<1, kernels::kScanThreads, 0, stream>>>(chunk_counts, static_cast<int>(chunks),
-                                                                    num_experts, expert_offsets, shared_offsets,
-                                                                    static_cast<int32_t>(tokens));
-  FP4MOE_CUDA_CHECK_LAUNCH();
-  kernels::moe_scatter_kernel<<<chunks, kernels::kPermuteWarps * 32, 0, stream>>>(
-      topk_ids, topk_weights, n, num_experts, chunk_counts, expert_offsets, row_of, row_scale);
-  FP4MOE_CUDA_CHECK_LAUNCH();
-  if (gather) launch_gather(hidden, tokens, hidden_size / 8, row_of, top_k, sorted, stream);
+  detail::launch(kernels::moe_count_kernel, dim3(chunks), dim3(kernels::kPermuteWarps * 32), 0, stream, pdl,
+                 topk_ids, n, num_experts, chunk_counts);
+  detail::launch(kernels::moe_scan_kernel, dim3(1), dim3(kernels::kScanThreads), 0, stream, pdl, chunk_counts,
+                 static_cast<int>(chunks), num_experts, expert_offsets, shared_offsets, static_cast<int32_t>(tokens));
+  detail::launch(kernels::moe_scatter_kernel, dim3(chunks), dim3(kernels::kPermuteWarps * 32), 0, stream, pdl,
+                 topk_ids, topk_weights, n, num_experts, chunk_counts, expert_offsets, row_of, row_scale);
+  if (gather) launch_gather(hidden, tokens, hidden_size / 8, row_of, top_k, sorted, stream, pdl);
 }
 
 void moe_permute(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids, const float* topk_weights,
@@ -228,17 +224,16 @@ void moe_gather(const void* hidden, int64_t tokens, int64_t hidden_size, const i
 namespace {
 template <int kMaxK>
 void launch_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens, int64_t h8,
-                    void* out, cudaStream_t stream) {
+                    void* out, cudaStream_t stream, bool pdl) {
   const int slices = row_slices(h8, kernels::kCombineThreads);
-  kernels::moe_combine_kernel<kMaxK><<<static_cast<unsigned>(tokens * slices), kernels::kCombineThreads, 0, stream>>>(
-      static_cast<const uint4*>(y), static_cast<const uint4*>(shared_y), row_of, top_k, h8, slices,
-      static_cast<uint4*>(out));
-  FP4MOE_CUDA_CHECK_LAUNCH();
+  detail::launch(kernels::moe_combine_kernel<kMaxK>, dim3(static_cast<unsigned>(tokens * slices)),
+                 dim3(kernels::kCombineThreads), 0, stream, pdl, static_cast<const uint4*>(y),
+                 static_cast<const uint4*>(shared_y), row_of, top_k, h8, slices, static_cast<uint4*>(out));
 }
 }  // namespace
 
 void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens,
-                 int64_t hidden_size, void* out, cudaStream_t stream) {
+                 int64_t hidden_size, void* out, cudaStream_t stream, bool pdl) {
   require_rows("moe_combine", y, "y", hidden_size);
   require_rows("moe_combine", out, "out", hidden_size);
   FP4MOE_REQUIRE(shared_y == nullptr || aligned(shared_y, 16), "moe_combine: shared_y = {} must be 16-byte aligned",
@@ -248,10 +243,10 @@ void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int
                  kMaxTopK);
   const int64_t h8 = hidden_size / 8;
   // The smallest unrolled slot count >= k: registers hold kMaxK 16-byte vectors per thread.
-  if (top_k <= 2) launch_combine<2>(y, shared_y, row_of, top_k, tokens, h8, out, stream);
-  else if (top_k <= 4) launch_combine<4>(y, shared_y, row_of, top_k, tokens, h8, out, stream);
-  else if (top_k <= 8) launch_combine<8>(y, shared_y, row_of, top_k, tokens, h8, out, stream);
-  else launch_combine<16>(y, shared_y, row_of, top_k, tokens, h8, out, stream);
+  if (top_k <= 2) launch_combine<2>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl);
+  else if (top_k <= 4) launch_combine<4>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl);
+  else if (top_k <= 8) launch_combine<8>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl);
+  else launch_combine<16>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl);
 }
 
 namespace detail {
@@ -306,6 +301,7 @@ void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   a.expert_offsets = b.expert_offsets;
   a.max_rows = b.rows;
   a.out = b.gemm1_out;
+  a.programmatic_launch = b.programmatic_launch;
   a.epilogue = act_epi;
   a.swiglu_alpha = c.swiglu_alpha;
   a.swiglu_limit = c.swiglu_limit;
@@ -330,6 +326,7 @@ void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   a.act = b.gemm1_out;
   a.expert_offsets = b.expert_offsets;
   a.max_rows = b.rows;
+  a.programmatic_launch = b.programmatic_launch;
   a.row_scale = b.row_scale;
   a.out = b.gemm2_out;
   a.epilogue = GemmEpilogue::kPlain;
@@ -525,9 +522,11 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   };
 
   // ---- permutation + gather ----
+  // Every launch after routing uses programmatic dependent launch: each kernel's launch overlaps the
+  // previous one's tail (at T = 1 five launches' latency is a fifth of the layer).
   moe_permute_gather(E, k, tokens, topk_ids, topk_weights, chunk_counts, ws.expert_offsets, ws.row_of,
                      ws.row_scale, c.num_shared > 0 ? shared_offsets : nullptr, hidden, H, ws.sorted_hidden,
-                     stream);  // one launch when tokens * k <= 4096
+                     stream, PermutePath::kAuto, /*programmatic_launch=*/true);  // one launch when tokens * k <= 4096
   mark(2);
 
   // ---- GEMM1 (+ activation), GEMM2 (x routing weight) ----
@@ -546,6 +545,7 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   gb.shared_rows = tokens;
   gb.shared_gemm1_out = shared_gemm1_out;
   gb.shared_gemm2_out = ws.shared_gemm2_out;
+  gb.programmatic_launch = true;
   const detail::ExpertGemmWeights gw{&m.gemm1.view, &m.gemm2.view, shared_bf16 ? nullptr : &m.shared1.view,
                                      shared_bf16 ? nullptr : &m.shared2.view};
   detail::run_expert_gemm1(c, gw, gb, tiles, stream);
@@ -577,7 +577,7 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   mark(4);
 
   // ---- combine ----
-  moe_combine(ws.gemm2_out, ws.shared_gemm2_out, ws.row_of, k, tokens, H, out, stream);
+  moe_combine(ws.gemm2_out, ws.shared_gemm2_out, ws.row_of, k, tokens, H, out, stream, /*programmatic_launch=*/true);
   mark(5);
 }
 

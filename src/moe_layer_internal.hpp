@@ -55,6 +55,7 @@ struct ExpertGemmBuffers {
   int64_t shared_rows = 0;
   void* shared_gemm1_out = nullptr;        // bf16 [shared_rows, Is]
   void* shared_gemm2_out = nullptr;        // bf16 [shared_rows, H]
+  bool programmatic_launch = false;        // GroupedGemmArgs::programmatic_launch of every launch
 };
 
 // The weights of the four GEMM calls (shared1/shared2 null when cfg.num_shared == 0 or when the shared

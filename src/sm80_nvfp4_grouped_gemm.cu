@@ -9,6 +9,7 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/grouped_gemm.hpp"
+#include "launch.hpp"
 #include "sm80_nvfp4_grouped_gemm_internal.hpp"
 
 namespace fp4moe {
@@ -202,8 +203,7 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
     p.x_out = static_cast<__nv_bfloat16*>(xa->out);
     p.x_max_rows = static_cast<int>(xa->max_rows);
   }
-  fn<<<grid, cfg.threads(), info.smem, stream>>>(p);
-  FP4MOE_CUDA_CHECK_LAUNCH();
+  detail::launch(fn, dim3(grid), dim3(cfg.threads()), info.smem, stream, args.programmatic_launch, p);
 }
 
 }  // namespace
@@ -239,13 +239,17 @@ TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, i
   const double r = rows_per_expert * 1.5;
   (void)n;
   (void)num_sms;
-  int dev = 0, major = 0, optin = 0;
+  int dev = 0, major = 0, optin = 0, per_sm = 0;
   const bool have_gpu = cudaGetDevice(&dev) == cudaSuccess &&
                         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess;
+                        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+                        cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) == cudaSuccess;
   // decode: the stream kernel, when its activation rows (bt x K) fit the block's shared memory
   if (have_gpu && r <= 16) {
-    const TileConfig s = r <= 8 ? TileConfig{384, 8, 64, 4, 24, 2, 1} : TileConfig{384, 16, 64, 4, 24, 2, 1};
+    // T ~ 1: two CTAs per SM, where two sets of activation rows fit an SM (1 KB reserved per block)
+    const TileConfig c2{192, 8, 64, 4, 12, 2, 2};
+    if (r <= 1.5 && 2 * (stream_smem_layout(c2, k).total_bytes + 1024) <= static_cast<size_t>(per_sm)) return c2;
+    const TileConfig s = r <= 8 ? TileConfig{384, 8, 64, 5, 24, 2, 1} : TileConfig{256, 16, 64, 8, 16, 2, 1};
     if (stream_smem_layout(s, k).total_bytes <= static_cast<size_t>(optin)) return s;
   }
   if (!k128) return rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};

@@ -48,6 +48,8 @@ struct GroupedGemmArgs {
   GemmEpilogue epilogue = GemmEpilogue::kPlain;
   float swiglu_alpha = 1.702f;
   float swiglu_limit = 7.0f;
+  // Launch with programmatic dependent launch (sm_90+; see moe_combine in moe_layer.hpp).
+  bool programmatic_launch = false;
 };
 
 // Validates (shapes, alignment, config fits) and launches; never synchronizes, allocates nothing.

@@ -150,15 +150,18 @@ void moe_permute_gather(int num_experts, int top_k, int64_t tokens, const int32_
                         const float* topk_weights, int32_t* chunk_counts, int32_t* expert_offsets,
                         int32_t* row_of, float* row_scale, int32_t* shared_offsets, const void* hidden,
                         int64_t hidden_size, void* sorted, cudaStream_t stream,
-                        PermutePath path = PermutePath::kAuto);
+                        PermutePath path = PermutePath::kAuto, bool programmatic_launch = false);
 
 
 // sorted[row_of[t, s], :] = hidden[t, :] (bf16, H % 8 == 0, 16-byte aligned).
 void moe_gather(const void* hidden, int64_t tokens, int64_t hidden_size, const int32_t* row_of, int top_k,
                 void* sorted, cudaStream_t stream);
 // out[t, :] = bf16(sum_{s<k} float(y[row_of[t, s], :]) + float(shared_y[t, :])), shared_y may be null.
+// programmatic_launch (here and in moe_permute_gather, GroupedGemmArgs): launched with programmatic
+// dependent launch (sm_90+), so the kernel's launch overlaps its predecessor's tail; the kernels wait
+// for the predecessor's results before reading them, so any predecessor is safe.
 void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens,
-                 int64_t hidden_size, void* out, cudaStream_t stream);
+                 int64_t hidden_size, void* out, cudaStream_t stream, bool programmatic_launch = false);
 
 // ---- Routing given by the caller (MoeLayer::forward_routed) ----
 // Host-only checks of forward_routed's arguments (no GPU needed; forward_routed runs them first).

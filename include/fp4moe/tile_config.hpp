@@ -141,16 +141,16 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {128, 256, 64, 4, 8, 1},
     {128, 64, 128, 4, 8, 1},
     {128, 256, 128, 3, 8, 1},
-    // decode, stream kernel: 6 warps per scheduler (24 per SM, 80 registers: 32 warps at 64 registers
-    // spilled the ring) with a 4-deep register ring each keep ~55 KB of weights in flight per SM
-    // (Little's law at 4.5 TB/s x ~2 us needs ~35 KB); no K pipeline barrier. bt 8 covers T <= ~128 for
-    // GLM-like shapes (<= 8 rows per active expert), bt 16 up to ~256.
-    {384, 8, 64, 4, 24, 2, 1},
-    {512, 8, 64, 3, 32, 2, 1},   // 8 warps per scheduler (64 registers), a 3-deep ring
-    {512, 8, 64, 4, 32, 2, 1},
+    // decode, stream kernel (bench/NOTES.md, v8-v11): bytes in flight per SM decide it. 24 warps (80
+    // registers) with a 5-deep ring keep ~69 KB of weights in flight per SM: 0.77-0.84 of the read
+    // ceiling at T = 8..128 (GLM-5 GEMMs); 32 warps at 64 registers spilled the ring and lost. bt 8 covers
+    // up to 8 rows per expert (T <= ~128 at top-8 of 256), bt 16 up to 16.
     {384, 8, 64, 5, 24, 2, 1},
-    {192, 8, 64, 4, 12, 2, 2},   // two CTAs per SM: one CTA's round barrier overlaps the other's stream
+    {384, 8, 64, 4, 24, 2, 1},
+    {192, 8, 64, 4, 12, 2, 2},   // two CTAs per SM: one CTA's round barrier overlaps the other's stream (T = 1)
+    {256, 8, 64, 8, 16, 2, 1},   // 16 warps (110 registers), 8-deep ring: as many bytes, fewer warps
     {384, 16, 64, 4, 24, 2, 1},
+    {256, 16, 64, 8, 16, 2, 1},  // bt 16 without spills (120 registers)
     {192, 16, 64, 4, 12, 2, 2},  // two CTAs per SM only where 16 x K x 2 B of rows allow it (GEMM2)
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);

@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "fp4moe/kernels/pdl.cuh"
 #include "fp4moe/tile_config.hpp"
 
 namespace fp4moe::kernels {
@@ -40,6 +41,8 @@ __global__ void __launch_bounds__(kCombineThreads)
                        const uint4* __restrict__ shared_y /*[T, H/8] or null*/,
                        const int32_t* __restrict__ row_of /*[T, k]*/, int top_k, int64_t h8, int slices,
                        uint4* __restrict__ out /*[T, H/8]*/) {
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x / slices;
   const int64_t v = static_cast<int64_t>(blockIdx.x % slices) * kCombineThreads + threadIdx.x;
   if (v >= h8) return;

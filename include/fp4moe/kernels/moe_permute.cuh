@@ -22,6 +22,7 @@
 
 #include <cuda_runtime.h>
 
+#include "fp4moe/kernels/pdl.cuh"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/tile_config.hpp"
 
@@ -36,6 +37,8 @@ static_assert(kScanThreads >= kMaxExperts, "moe_scan_kernel gives each expert on
 __global__ void __launch_bounds__(kPermuteWarps * 32)
     moe_count_kernel(const int32_t* __restrict__ ids, int64_t n, int num_experts,
                      int32_t* __restrict__ chunk_counts /*[chunks, E]*/) {
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
   __shared__ int32_t hist[kMaxExperts];
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) hist[e] = 0;
   __syncthreads();
@@ -56,6 +59,8 @@ __global__ void __launch_bounds__(kScanThreads)
     moe_scan_kernel(int32_t* __restrict__ chunk_counts, int num_chunks, int num_experts,
                     int32_t* __restrict__ expert_offsets /*[E + 1]*/,
                     int32_t* __restrict__ shared_offsets /*[2] or null*/, int32_t tokens) {
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
   __shared__ int32_t warp_sums[kScanThreads / 32];
   const int e = threadIdx.x, lane = e % 32, warp = e / 32;
   int32_t total = 0;
@@ -100,6 +105,8 @@ __global__ void __launch_bounds__(kPermuteWarps * 32)
                        int num_experts, const int32_t* __restrict__ chunk_base /*[chunks, E]*/,
                        const int32_t* __restrict__ expert_offsets, int32_t* __restrict__ row_of /*[n]*/,
                        float* __restrict__ row_scale /*[n] rows*/) {
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
   // base[w][e]: first row of expert e for warp w's sub-chunk (16 KB for 8 warps x 512 experts).
   __shared__ int32_t base[kPermuteWarps][kMaxExperts];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -179,6 +186,8 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
                              int32_t* __restrict__ expert_offsets, int32_t* __restrict__ row_of,
                              float* __restrict__ row_scale, int32_t* __restrict__ shared_offsets,
                              const uint4* __restrict__ hidden, int64_t h8, uint4* __restrict__ sorted) {
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
   constexpr int kWarps = kSmallPermuteThreads / 32;
   __shared__ int32_t before[kMaxExperts];  // entries of e before `begin`; then the first row of e here
   __shared__ int32_t rest[kMaxExperts];    // entries of e at or after `begin`
@@ -298,6 +307,8 @@ __global__ void __launch_bounds__(kGatherThreads)
     moe_gather_kernel(const uint4* __restrict__ hidden /*[T, H/8]*/, int64_t h8, int slices,
                       const int32_t* __restrict__ row_of /*[T, k]*/, int top_k, int num_rows,
                       uint4* __restrict__ sorted /*[T*k, H/8]*/) {
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
   const int64_t t = blockIdx.x / slices;
   const int64_t v = static_cast<int64_t>(blockIdx.x % slices) * kGatherThreads + threadIdx.x;
   if (v >= h8) return;

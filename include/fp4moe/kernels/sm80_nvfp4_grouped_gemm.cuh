@@ -22,6 +22,7 @@
 
 #include <cuda_bf16.h>
 
+#include "fp4moe/kernels/pdl.cuh"
 #include "fp4moe/kernels/nvfp4_dequant.cuh"
 #include "fp4moe/kernels/sm90_wgmma.cuh"
 #include "fp4moe/nvfp4_weight_layout.hpp"
@@ -248,6 +249,8 @@ __device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, co
 template <int BN, int BT, int BK, int STAGES, int WARPS, int MMA, int CTAS, int EPI>
 __global__ void __launch_bounds__(WARPS * 32, gemm_min_ctas_per_sm(TileConfig{BN, BT, BK, STAGES, WARPS, MMA, CTAS}))
 sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
   constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS, MMA, CTAS};
   static_assert(tile_config_well_formed(kCfg), "tile config is malformed: see tile_config_well_formed()");
   constexpr GemmSmemLayout kL = gemm_smem_layout(kCfg);

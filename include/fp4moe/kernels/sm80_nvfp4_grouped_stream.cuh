@@ -30,6 +30,7 @@
 
 #include <cuda_bf16.h>
 
+#include "fp4moe/kernels/pdl.cuh"
 #include "fp4moe/kernels/nvfp4_dequant.cuh"
 #include "fp4moe/kernels/sm80_nvfp4_grouped_gemm.cuh"
 #include "fp4moe/nvfp4_weight_layout.hpp"
@@ -293,6 +294,8 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
 template <int BT, int WARPS, int DEPTH, int CTAS, int EPI>
 __global__ void __launch_bounds__(WARPS * 32, CTAS)
     sm80_nvfp4_grouped_stream_kernel(const __grid_constant__ GroupedGemmParams p) {
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
   constexpr TileConfig kCfg{16 * WARPS, BT, 64, DEPTH, WARPS, 2, CTAS};
   static_assert(tile_config_well_formed(kCfg), "stream config is malformed: see tile_config_well_formed()");
   static_assert(DEPTH <= 8, "the slot dispatch below has eight cases");
