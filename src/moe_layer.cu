@@ -30,7 +30,7 @@ bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % 
 
 OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stream) {
   if (src == nullptr) return {};
-  OwnedDeviceBuffer b(bytes);
+  OwnedDeviceBuffer b(bytes, "a copy of the layer's weights");
   FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.get(), src, bytes, cudaMemcpyDeviceToDevice, stream));
   return b;
 }
@@ -44,8 +44,8 @@ RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const floa
                          const float* global_up, const float* bias, int num_experts, int64_t n, int64_t k,
                          bool gate_up, cudaStream_t stream) {
   RepackedGemm g;
-  g.codes = OwnedDeviceBuffer(num_experts * repacked_codes_bytes(n, k));
-  g.scales = OwnedDeviceBuffer(num_experts * repacked_scales_bytes(n, k));
+  g.codes = OwnedDeviceBuffer(num_experts * repacked_codes_bytes(n, k), "repacked expert weight codes");
+  g.scales = OwnedDeviceBuffer(num_experts * repacked_scales_bytes(n, k), "repacked expert weight scales");
   repack_nvfp4_weights_device(codes, scales, num_experts, n, k, gate_up, g.codes.as<uint8_t>(),
                               g.scales.as<uint8_t>(), stream);
   g.global = copy_to_owned(global, num_experts * sizeof(float), stream);
@@ -270,26 +270,13 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
   m.router_bias = copy_to_owned(w.router_bias, E * sizeof(float), stream);
   if (w.router_weight != nullptr) {
     m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * H) * 2, stream);
-    m.cublas_workspace = OwnedDeviceBuffer(kCublasWorkspaceBytes);
+    m.cublas_workspace = OwnedDeviceBuffer(kCublasWorkspaceBytes, "the router GEMM's cuBLAS workspace");
     FP4MOE_CUBLAS_CHECK(cublasCreate(&m.cublas));
     FP4MOE_CUBLAS_CHECK(cublasSetWorkspace(m.cublas, m.cublas_workspace.get(), kCublasWorkspaceBytes));
   }
   {
-    const TuneProblem p1{E, cfg.top_k, 2 * I, H,
-                         cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU};
-    const TuneProblem p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
-    const TuneProblem s1{1, 1, 2 * Is, H, p1.epilogue};
-    const TuneProblem s2{1, 1, H, Is, GemmEpilogue::kPlain};
-    for (int64_t t = 1; t <= max_tokens; t *= 2) {
-      MoeResolvedTileConfigs r;
-      r.gemm1 = *choose_config(p1, t, m.num_sms).config;
-      r.gemm2 = *choose_config(p2, t, m.num_sms).config;
-      if (cfg.num_shared > 0) {
-        r.shared_gemm1 = *choose_config(s1, t, m.num_sms).config;
-        r.shared_gemm2 = *choose_config(s2, t, m.num_sms).config;
-      }
-      m.auto_tiles.push_back(r);
-    }
+    const ArchInfo arch = arch_from_device(m.device);
+    for (int64_t t = 1; t <= max_tokens; t *= 2) m.auto_tiles.push_back(moe_layer_tile_configs(cfg, t, arch));
   }
   // The copies read the caller's buffers asynchronously; finishing here lets the caller free them.
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));

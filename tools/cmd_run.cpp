@@ -1,5 +1,6 @@
-// `fp4moe run`: one MoE layer on synthetic weights and inputs, with a checksum of the output.
-// Today it runs the CPU reference (include/fp4moe/reference.hpp); the GPU path is added later.
+// `fp4moe run`: one MoE layer on synthetic weights and inputs, with a checksum of the output. With a
+// GPU it runs fp4moe::MoeLayer (and, with --check, the CPU reference on the same data to compare);
+// without one, or with --cpu, the CPU reference (include/fp4moe/reference.hpp).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -89,9 +90,11 @@ std::vector<float> run_gpu(const MoeConfig& cfg, const RunArgs& a, double* forwa
   FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   SyntheticDeviceLayer syn = make_synthetic_layer_device(cfg, a.seed, s);
   MoeLayer layer(cfg, syn.weights, a.tokens, s);
-  DeviceBuffer<uint8_t> ws(layer.workspace_bytes());
-  DeviceBuffer<uint16_t> hidden(a.tokens * cfg.hidden), out(a.tokens * cfg.hidden);
-  DeviceBuffer<float> logits(a.tokens * cfg.num_experts);
+  const std::string ws_what = fmt::format("the layer workspace of --tokens {} (MoeLayer::workspace_bytes())", a.tokens);
+  DeviceBuffer<uint8_t> ws(layer.workspace_bytes(), ws_what.c_str());
+  DeviceBuffer<uint16_t> hidden(a.tokens * cfg.hidden, "the input activations"),
+      out(a.tokens * cfg.hidden, "the layer output");
+  DeviceBuffer<float> logits(a.tokens * cfg.num_experts, "the router logits");
   make_synthetic_hidden_device(cfg, a.seed, a.tokens, hidden.get(), s);
   make_synthetic_router_logits_device(cfg, a.seed, a.tokens, logits.get(), s);
   cudaEvent_t e0, e1;
