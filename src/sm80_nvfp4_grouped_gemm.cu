@@ -4,10 +4,12 @@
 #include <climits>
 #include <cmath>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/grouped_gemm.hpp"
+#include "fp4moe/planner.hpp"
 #include "sm80_nvfp4_grouped_gemm_internal.hpp"
 
 namespace fp4moe {
@@ -197,23 +199,49 @@ int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue) {
   return launch_info(device, fn, cfg).ctas_per_sm;
 }
 
-TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, int num_sms) {
+TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, const ArchInfo& arch,
+                                 std::string* why) {
+  // The pick for Hopper, by rows per expert; then, if the arch cannot run it (no wgmma, less shared
+  // memory) or the shape cannot use it, the nearest config that is valid there. A pure function of its
+  // arguments, so that the choice for any GPU can be checked on a CPU.
   const bool k128 = k % 128 == 0;
-  if (!k128) return rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};
   // Rows of an active expert vary around the mean (random routing); cover ~1.5x the mean in one tile
   // so that each expert's weights stream once.
   const double r = rows_per_expert * 1.5;
-  (void)n;
-  (void)num_sms;
-  if (r <= 16) return TileConfig{128, 16, 128, 6, 8};
-  if (r <= 32) return TileConfig{128, 32, 128, 5, 8};
-  if (r <= 64) return TileConfig{128, 64, 128, 4, 8};
+  TileConfig want;
+  if (!k128) want = rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};
+  else if (r <= 16) want = TileConfig{128, 16, 128, 6, 8};
+  else if (r <= 32) want = TileConfig{128, 32, 128, 5, 8};
+  else if (r <= 64) want = TileConfig{128, 64, 128, 4, 8};
   // prefill: Hopper's wgmma with the widest token tile the rows fill
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-      major == 9)
-    return r <= 192 ? TileConfig{128, 128, 64, 4, 8, 1} : TileConfig{128, 256, 64, 4, 8, 1};
-  return TileConfig{128, 128, 64, 4, 8};
+  else if (arch.has(kWgmma)) want = r <= 192 ? TileConfig{128, 128, 64, 4, 8, 1} : TileConfig{128, 256, 64, 4, 8, 1};
+  else want = TileConfig{128, 128, 64, 4, 8};
+  const int experts = 1;  // the expert count does not change which configs are valid below kMaxExperts
+  auto usable = [&](const TileConfig& c) {
+    return plan_sm80(c, arch).verdict.valid && check_problem_sm80(c, n, k, experts).valid;
+  };
+  if (usable(want)) {
+    if (why != nullptr) *why = fmt::format("{} rows per expert -> {}", rows_per_expert, want.name());
+    return want;
+  }
+  // Nearest valid config: the same token tile if possible (it decides how often weights are re-read),
+  // then the same K stage, then the deepest pipeline.
+  const TileConfig* best = nullptr;
+  auto score = [&](const TileConfig& c) {
+    return std::make_tuple(std::abs(c.bt - want.bt), c.bk == want.bk ? 0 : 1, -c.stages, c.mma, c.ctas);
+  };
+  for (const TileConfig& c : kGemmConfigs)
+    if (usable(c) && (best == nullptr || score(c) < score(*best))) best = &c;
+  FP4MOE_REQUIRE(best != nullptr,
+                 "no config of kGemmConfigs can run N = {}, K = {} on {} (see `fp4moe explain --arch {}`)", n, k,
+                 arch.name, arch.name);
+  if (why != nullptr) {
+    const Verdict v = plan_sm80(want, arch).verdict;
+    *why = fmt::format("{} rows per expert -> {}, which cannot run here ({}); the nearest valid config is {}",
+                       rows_per_expert, want.name(),
+                       !v.valid ? v.reason : check_problem_sm80(want, n, k, experts).reason, best->name());
+  }
+  return *best;
 }
 
 }  // namespace fp4moe
