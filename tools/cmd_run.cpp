@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <unistd.h>
 #include <optional>
 #include <thread>
 #include <string>
@@ -170,6 +171,17 @@ void run(const RunArgs& a) {
              opts.round_intermediates ? "GPU rounding points (bf16 activations and outputs)"
                                       : "pure float path (no bf16 rounding)");
 
+  {
+    // Inputs, logits and the output in float, before anything is allocated: a clear error instead of
+    // std::bad_alloc.
+    const double need = static_cast<double>(t_count) * static_cast<double>(2 * cfg.hidden + cfg.num_experts) * 4.0;
+    const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+    FP4MOE_REQUIRE(have <= 0 || need <= have,
+                   "--tokens {}: the CPU reference needs at least {} of host memory (activations, router logits "
+                   "and output in float), and this machine has {} in total",
+                   t_count, bytes_for_humans(static_cast<size_t>(std::min(need, 1.8e19))),
+                   bytes_for_humans(static_cast<size_t>(have)));
+  }
   const auto t_start = clock::now();
   const std::clock_t cpu_start = std::clock();
   const std::vector<float> hidden = make_synthetic_hidden(cfg, a.seed, t_count);
