@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 t0=$SECONDS
-scripts/build.sh -DFP4MOE_WERROR=ON
+scripts/build.sh -DFP4MOE_WERROR=ON -DFP4MOE_CUTLASS_TESTS=ON
 echo "build (sm_90a): $((SECONDS - t0)) s"
 if [ "${FP4MOE_SKIP_BLACKWELL_BUILD:-0}" != 1 ]; then
   t0=$SECONDS
