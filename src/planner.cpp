@@ -233,6 +233,8 @@ CutlassSm120Plan plan_cutlass_sm120(const CutlassTile& t, const CutlassSm120Opti
     v.fail(fmt::format("tile {}x{}x{}: the sm_120 block-scaled builder's scale-factor atoms are 128 rows by 64 "
                        "elements of K, so M and N must be multiples of 128 and K of 64",
                        t.m, t.n, t.k));
+    p.fix = "use a tile with M and N multiples of 128 and K a multiple of 64 (128x128x128, 128x128x256, "
+            "128x256x128, 256x128x128)";
     return p;
   }
   const bool pingpong = o.schedule == CutlassSchedule::kPingpong;
