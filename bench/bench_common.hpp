@@ -1,6 +1,6 @@
 // Benchmark harness shared by `fp4moe bench` and `fp4moe tune`: ceilings measured in the same run,
 // graph-replay timing with a cold L2, synthetic routing and device buffers.
-// Method (../.library/device/METHOD.md): warm-up apart, median of many replays, L2 flushed before each
+// Method (docs/performance-targets.md): warm-up apart, median of many replays, L2 flushed before each
 // timed replay (so weights stream from HBM as they do in serving), random data, never zeros.
 #pragma once
 #include <cstdint>

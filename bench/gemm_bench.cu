@@ -127,9 +127,9 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
   const int64_t H = cfg.hidden, I = cfg.intermediate;
   const int64_t max_t = *std::max_element(opt.tokens.begin(), opt.tokens.end());
   const int64_t max_rows = max_t * cfg.top_k;
-  int dev = 0, sms = 0;
+  int dev = 0;
   FP4MOE_CUDA_CHECK(cudaGetDevice(&dev));
-  FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const ArchInfo arch = arch_from_device(dev);
 
   const GemmEpilogue epi1 =
       cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
@@ -167,8 +167,10 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
     r.weight_bytes = r.active_experts * double(3 * H * I) * (0.5 + 1.0 / 16.0);
     r.flops = 2.0 * rows * double(3 * H * I);
     const TuneProblem p1{E, cfg.top_k, 2 * I, H, epi1}, p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
-    const TuneLookup l1 = choose_config(p1, T, sms), l2 = choose_config(p2, T, sms);
-    r.tuned = l1.source != "heuristic" && l2.source != "heuristic";
+    const TuneLookup l1 = choose_config(p1, T, arch), l2 = choose_config(p2, T, arch);
+    r.tuned = !l1.table.empty() && !l2.table.empty();
+    r.source1 = l1.source;
+    r.source2 = l2.source;
     r.cfg1 = opt.force1 ? *opt.force1 : *l1.config;
     r.cfg2 = opt.force2 ? *opt.force2 : *l2.config;
 
@@ -190,8 +192,8 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
     if (opt.compare_heuristic) {
       // the pick without a tuner table: rows per expert as the heuristic sees them (T * k / E)
       const double rpe_h = rows / E;
-      r.hcfg1 = heuristic_tile_config(2 * I, H, rpe_h, sms);
-      r.hcfg2 = heuristic_tile_config(H, I, rpe_h, sms);
+      r.hcfg1 = heuristic_tile_config(2 * I, H, rpe_h, arch);
+      r.hcfg2 = heuristic_tile_config(H, I, rpe_h, arch);
       r.heuristic_us = (r.hcfg1 == r.cfg1 && r.hcfg2 == r.cfg2) ? r.fp4_us : time_pair(r.hcfg1, r.hcfg2);
     }
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <memory>
@@ -24,7 +25,8 @@ struct GemmBenchRow {
   double fp4_us = 0;
   double bf16_us = 0;       // 0 when the baseline was not run
   TileConfig cfg1, cfg2;    // the configs timed as fp4_us (tuner cache, else heuristic)
-  bool tuned = false;       // cfg1/cfg2 came from the tuner cache
+  bool tuned = false;       // cfg1/cfg2 came from a tuner table
+  std::string source1, source2;  // choose_config's source: "tuned table <path>" or "heuristic"
   double heuristic_us = 0;  // with heuristic_tile_config's picks (compare_heuristic), 0 otherwise
   TileConfig hcfg1, hcfg2;
 };

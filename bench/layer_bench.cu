@@ -31,7 +31,7 @@ void run_layer_bench(const MoeConfig& cfg, const LayerBenchOptions& opt, const C
 
   std::fprintf(stderr, "building the synthetic %s layer on the GPU...\n", cfg.name.c_str());
   SyntheticDeviceLayer syn = make_synthetic_layer_device(cfg, opt.seed, s);
-  // Route uniformly at random, like the targets' baseline measurements (targets.md: random top-k):
+  // Route uniformly at random, like the targets' baseline measurements (docs/performance-targets.md: random top-k):
   // the synthetic correction bias would otherwise concentrate tokens on a few experts.
   if (syn.weights.router_bias != nullptr)
     FP4MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<float*>(syn.weights.router_bias), 0, E * sizeof(float), s));

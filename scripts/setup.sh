@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs fp4moe's build dependencies (pinned Debian 12 "bookworm" versions). Idempotent: a package
-# already present is left alone, so a second run costs a few dpkg queries.
+# Installs fp4moe's build dependencies (pinned Debian 12 "bookworm" versions) and the pinned CUTLASS
+# headers of the CPU proof tests (PyPI nvidia-cutlass, hash-checked, unpacked into .deps/). Idempotent:
+# a package already present is left alone, so a second run costs a few dpkg queries and a file test.
 # Needs: the CUDA toolkit (nvcc 13.x) on PATH or in /usr/local/cuda; it is not a Debian package.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 PINNED=(
   "cmake=3.25.1-1"
@@ -15,6 +17,7 @@ PINNED=(
   "libfmt-dev=9.1.0+ds1-2"
   "clang-14=1:14.0.6-12"
   "libclang-rt-14-dev=1:14.0.6-12"
+  "python3-pip=23.0.1+dfsg-1"
 )
 
 missing=()
@@ -36,6 +39,28 @@ if ((${#missing[@]})); then
     echo "setup: pinned versions unavailable on this distribution; installing its own versions" >&2
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]%%=*}"
   fi
+fi
+
+# CUTLASS headers (tests/cutlass/ only): the wheel is a zip; only its C++ include tree is kept.
+CUTLASS_DIR=.deps/cutlass-4.2.0.0
+if [ ! -f "$CUTLASS_DIR/include/cutlass/arch/arch.h" ]; then
+  echo "setup: fetching nvidia-cutlass 4.2.0.0 (C++ headers for the CUTLASS proof tests)"
+  rm -rf "$CUTLASS_DIR" .deps/wheels
+  mkdir -p .deps/wheels
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --require-hashes \
+    -r scripts/requirements-cutlass.txt -d .deps/wheels
+  python3 - "$CUTLASS_DIR" .deps/wheels/nvidia_cutlass-4.2.0.0-py3-none-any.whl <<'PY'
+import sys, zipfile, pathlib
+dest, wheel = pathlib.Path(sys.argv[1]), sys.argv[2]
+prefix = "cutlass_library/source/include/"
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            out = dest / "include" / name[len(prefix):]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(z.read(name))
+PY
+  rm -rf .deps/wheels
 fi
 
 if ! command -v nvcc >/dev/null 2>&1; then

@@ -5,6 +5,44 @@
 
 namespace fp4moe {
 
+std::string bytes_for_humans(size_t bytes) {
+  std::string digits = std::to_string(bytes), grouped;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) grouped += ',';
+    grouped += digits[i];
+  }
+  return fmt::format("{} B ({:.2f} GiB)", grouped, static_cast<double>(bytes) / (1024.0 * 1024.0 * 1024.0));
+}
+
+std::string device_malloc_failure_message(size_t bytes, const char* what, cudaError_t err, int device,
+                                          const char* device_name, size_t free_bytes, size_t total_bytes) {
+  std::string have = total_bytes > 0 ? fmt::format("GPU {} ({}) has {} free of {}", device, device_name,
+                                                   bytes_for_humans(free_bytes), bytes_for_humans(total_bytes))
+                                     : fmt::format("GPU {}'s free memory could not be queried", device);
+  return fmt::format("cannot allocate {} of device memory for {}: cudaMalloc failed with {} ({}); {}{}",
+                     bytes_for_humans(bytes), what, cudaGetErrorName(err), cudaGetErrorString(err), have,
+                     err == cudaErrorMemoryAllocation && total_bytes > 0 && bytes > free_bytes
+                         ? fmt::format(", so the request is {} too large", bytes_for_humans(bytes - free_bytes))
+                         : std::string());
+}
+
+void* device_malloc(size_t bytes, const char* what) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaSuccess) return p;
+  cudaGetLastError();  // an out-of-memory error is not sticky; clear it so later calls start clean
+  int device = -1;
+  size_t free_b = 0, total_b = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess ||
+      cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    free_b = total_b = 0;
+  }
+  FP4MOE_FAIL("{}", device_malloc_failure_message(bytes, what, err, device, prop.name, free_b, total_b));
+}
+
 bool gpu_available() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

@@ -94,7 +94,7 @@ void EpMoeLayer::Impl::init(const MoeConfig& c, const MoeLayerWeights& w, int ex
                                   1, H, Is, false, f, stream);
   }
   router_bias = detail::copy_to_owned(w.router_bias, c.num_experts * sizeof(float), stream);
-  auto_tiles = detail::resolve_auto_tiles(c, world * capacity.max_tokens, num_sms);
+  auto_tiles = detail::resolve_auto_tiles(c, world * capacity.max_tokens, arch_from_device(device));
   layout = ep_workspace_layout(c, part, rank, capacity);
 
   FP4MOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&status), sizeof(EpStatus),

@@ -38,7 +38,7 @@ namespace detail {
 
 OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stream) {
   if (src == nullptr) return {};
-  OwnedDeviceBuffer b(bytes);
+  OwnedDeviceBuffer b(bytes, "a copy of the layer's weights");
   FP4MOE_CUDA_CHECK(cudaMemcpyAsync(b.get(), src, bytes, cudaMemcpyDeviceToDevice, stream));
   return b;
 }
@@ -47,11 +47,11 @@ RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const floa
                          const float* global_up, const float* bias, int num_experts, int64_t n, int64_t k,
                          bool gate_up, WeightFormat format, cudaStream_t stream) {
   RepackedGemm g;
-  g.codes = OwnedDeviceBuffer(num_experts * repacked_codes_bytes(n, k));
-  g.scales = OwnedDeviceBuffer(num_experts * repacked_scales_bytes(n, k));
+  g.codes = OwnedDeviceBuffer(num_experts * repacked_codes_bytes(n, k), "repacked expert weight codes");
+  g.scales = OwnedDeviceBuffer(num_experts * repacked_scales_bytes(n, k), "repacked expert weight scales");
   if (format == WeightFormat::kMxfp4) {
     // the repack writes each expert's FP32 scale (its exponent offset) next to the scale bytes
-    g.global = OwnedDeviceBuffer(num_experts * sizeof(float));
+    g.global = OwnedDeviceBuffer(num_experts * sizeof(float), "MXFP4 per-expert scales");
     repack_mxfp4_weights_device(codes, scales, num_experts, n, k, gate_up, g.codes.as<uint8_t>(),
                                 g.scales.as<uint8_t>(), g.global.as<float>(), stream);
   } else {
@@ -251,26 +251,12 @@ void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int
 
 namespace detail {
 
-std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, int num_sms,
+std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, const ArchInfo& arch,
                                                        bool shared_nvfp4) {
-  const int E = cfg.num_experts;
-  const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
-  const TuneProblem p1{E, cfg.top_k, 2 * I, H,
-                       cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU};
-  const TuneProblem p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
-  const TuneProblem s1{1, 1, 2 * Is, H, p1.epilogue};
-  const TuneProblem s2{1, 1, H, Is, GemmEpilogue::kPlain};
+  MoeConfig c = cfg;
+  if (!shared_nvfp4) c.num_shared = 0;  // the caller runs the shared expert itself
   std::vector<MoeResolvedTileConfigs> out;
-  for (int64_t t = 1; t <= max_tokens; t *= 2) {
-    MoeResolvedTileConfigs r;
-    r.gemm1 = *choose_config(p1, t, num_sms).config;
-    r.gemm2 = *choose_config(p2, t, num_sms).config;
-    if (cfg.num_shared > 0 && shared_nvfp4) {
-      r.shared_gemm1 = *choose_config(s1, t, num_sms).config;
-      r.shared_gemm2 = *choose_config(s2, t, num_sms).config;
-    }
-    out.push_back(r);
-  }
+  for (int64_t t = 1; t <= max_tokens; t *= 2) out.push_back(moe_layer_tile_configs(c, t, arch));
   return out;
 }
 
@@ -403,11 +389,11 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
   m.router_bias = copy_to_owned(w.router_bias, E * sizeof(float), stream);
   if (w.router_weight != nullptr) m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * H) * 2, stream);
   if (w.router_weight != nullptr || shared_bf16) {
-    m.cublas_workspace = OwnedDeviceBuffer(kCublasWorkspaceBytes);
+    m.cublas_workspace = OwnedDeviceBuffer(kCublasWorkspaceBytes, "the layer's cuBLAS workspace");
     FP4MOE_CUBLAS_CHECK(cublasCreate(&m.cublas));
     FP4MOE_CUBLAS_CHECK(cublasSetWorkspace(m.cublas, m.cublas_workspace.get(), kCublasWorkspaceBytes));
   }
-  m.auto_tiles = detail::resolve_auto_tiles(m.cfg, max_tokens, m.num_sms, /*shared_nvfp4=*/!shared_bf16);
+  m.auto_tiles = detail::resolve_auto_tiles(m.cfg, max_tokens, arch_from_device(m.device), /*shared_nvfp4=*/!shared_bf16);
   FP4MOE_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&m.routing_error_host), sizeof(unsigned long long),
                                   cudaHostAllocMapped));
   *m.routing_error_host = 0;

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include "fp4moe/arch.hpp"
 #include "fp4moe/config.hpp"
 #include "fp4moe/grouped_gemm.hpp"
 #include "fp4moe/moe_layer.hpp"
@@ -34,7 +35,7 @@ RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const floa
 // heuristic, for the problems of `cfg` (all cfg.num_experts experts, cfg.top_k). Resolved once at
 // construction so forward() never reads the cache file.
 // shared_nvfp4 = false: the shared expert (if any) does not run on the grouped GEMM (bf16 shared expert).
-std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, int num_sms,
+std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int64_t max_tokens, const ArchInfo& arch,
                                                        bool shared_nvfp4 = true);
 // The bucket of `tokens`, then the explicit overrides.
 MoeResolvedTileConfigs pick_tiles(const std::vector<MoeResolvedTileConfigs>& auto_tiles,

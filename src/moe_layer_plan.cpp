@@ -1,9 +1,10 @@
-// Host-only parts of the MoE layer: config and weight checks, the workspace layout. No CUDA calls, so
-// the CPU test suite covers them.
+// Host-only parts of the MoE layer: config and weight checks, the workspace layout, the tile-config
+// choice. No CUDA calls for an arch from the table, so the CPU test suite covers them.
 #include <cstdint>
 
 #include "fp4moe/error.hpp"
 #include "fp4moe/moe_layer.hpp"
+#include "fp4moe/tuner.hpp"
 
 namespace fp4moe {
 
@@ -138,6 +139,31 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens
   l.shared_gate_up = take(bf16_shared && cfg.num_shared > 0 ? static_cast<size_t>(max_tokens * 2 * Is) * 4 : 0);
   l.total = off;
   return l;
+}
+
+MoeResolvedTileConfigs moe_layer_tile_configs(const MoeConfig& cfg, int64_t tokens, const ArchInfo& arch,
+                                              std::vector<TuneLookup>* why) {
+  const int E = cfg.num_experts;
+  const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
+  const GemmEpilogue act =
+      cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
+  const TuneProblem p1{E, cfg.top_k, 2 * I, H, act};
+  const TuneProblem p2{E, cfg.top_k, H, I, GemmEpilogue::kPlain};
+  MoeResolvedTileConfigs r;
+  std::vector<TuneLookup> looks;
+  looks.push_back(choose_config(p1, tokens, arch));
+  looks.push_back(choose_config(p2, tokens, arch));
+  r.gemm1 = *looks[0].config;
+  r.gemm2 = *looks[1].config;
+  if (cfg.num_shared > 0) {
+    // The shared expert sees every token: one expert, top-1.
+    looks.push_back(choose_config(TuneProblem{1, 1, 2 * Is, H, act}, tokens, arch));
+    looks.push_back(choose_config(TuneProblem{1, 1, H, Is, GemmEpilogue::kPlain}, tokens, arch));
+    r.shared_gemm1 = *looks[2].config;
+    r.shared_gemm2 = *looks[3].config;
+  }
+  if (why != nullptr) *why = std::move(looks);
+  return r;
 }
 
 }  // namespace fp4moe

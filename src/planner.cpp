@@ -277,172 +277,121 @@ std::vector<TileConfig> valid_sm80_configs(const ArchInfo& arch) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// cutlass-sm120-nvfp4-grouped: CUTLASS's sm_120 block-scaled NVFP4 ptr-array (grouped) GEMM
+// cutlass-sm120-nvfp4-grouped: the arithmetic is cutlass_sm120_model.hpp (sources cited there); this
+// adds the verdict, the largest count that fits, the fix and explain's lines.
 // ---------------------------------------------------------------------------------------------------
-// Terms and where they come from (public NVIDIA/cutlass sources, 4.2-era unless said):
-//  capacity      cutlass/arch/arch.h: sm120_smem_capacity_bytes = 101376.
-//  stage count   gemm/collective/builders/sm120_blockscaled_mma_builder.inl calls
-//                sm100_compute_stage_count_or_override_blockscaled<sm120_smem_capacity_bytes, ...>
-//                (defined in builders/sm100_blockscaled_umma_builder.inl) with StageCountAutoCarveout<C>:
-//                  stage_bytes = bits(A) * M * K / 8 + bits(B) * N * K / 8
-//                              + sizeof(PipelineTmaUmmaAsync<1>::SharedStorage)          (16 B)
-//                              + size(filter_zeros(SmemLayoutAtomSFA)) + size(filter_zeros(SmemLayoutAtomSFB))
-//                  stages = (capacity - C) / stage_bytes
-//                C is what the kernel's author passes, conventionally
-//                sizeof(CollectiveEpilogue::SharedStorage). CUTLASS 4.5 instead subtracts the scheduler
-//                pipeline, tensor maps and tensor-map pipeline first (ReducedSmemCapacityBytes).
-//  SFA / SFB     the builder's SmemLayoutAtomSFA/SFB: blocks of Blk_MN = 128 rows x Blk_SF = 4 scale
-//                bytes along K (Sm1xxBlockScaledConfig<16>), i.e. ceil(M/128)*128 * K/16 bytes per
-//                stage (and likewise N), one E4M3 byte per 16 elements.
-//  kernel        gemm/collective/sm120_blockscaled_mma_array_tma.hpp, CollectiveMma::SharedStorage:
-//                TensorStorage { alignas(1024) smem_A[S]; alignas(1024) smem_B[S]; alignas(16) smem_SFA[S];
-//                alignas(16) smem_SFB[S]; }  TensorMapStorage { 4 x TmaDescriptor (128 B) }
-//                PipelineStorage = PipelineTmaAsync<S>::SharedStorage (full + empty barrier, 8 B each).
-//                gemm/kernel/sm90_gemm_array_tma_warpspecialized_cooperative.hpp, SharedStorage:
-//                tensors { mainloop; epilogue } (aligned 128, but the alignas(1024) members make it 1024),
-//                pipelines { scheduler PipelineAsync<8>, mainloop, epilogue load, OrderedSequenceBarrier<1,2> }
-//                (each alignas 16), scheduler_response[8] (alignas 16), tensormaps { mainloop; epilogue }
-//                (alignas 128). sizeof rounds the whole struct to its 1024-byte alignment: the kernel's
-//                footprint is always a multiple of 1 KB.
-// Modelled, not read from a compiled kernel: the scheduler response (16 B each), the epilogue's load
-// pipeline (one stage: 16 B) and the epilogue model below. CutlassEpilogueModel lets explain take the
-// real figures (--epilogue-bytes).
 
-CutlassEpilogueModel cutlass_default_epilogue(const CutlassTile& t) {
-  CutlassEpilogueModel e;
-  // sm90 epilogue builder, EpilogueTileAuto for the cooperative schedule: (min(M,128) x min(N,32));
-  // StagesD = 2; bf16 D; no C source. smem_D is alignas(1024) (128-byte swizzle), and the fusion
-  // callbacks' storage (empty members, 1 byte each in C++) starts a new 1024-byte aligned slot.
-  const size_t d = 2 * static_cast<size_t>(std::min(t.m, 128)) * std::min(t.n, 32) * 2;
-  e.tensor_bytes = align_up(d, 1024) + 1024;
-  e.carveout_bytes = e.tensor_bytes;
-  e.tensormaps = 2;
-  e.description = fmt::format("TMA store, bf16 D, no C, epilogue tile {}x{}, 2 stages = {} B + fusion slot "
-                              "1,024 B (modelled)",
-                              std::min(t.m, 128), std::min(t.n, 32), with_commas(d));
-  return e;
-}
-
-namespace {
-
-struct CutlassLayout {
-  size_t mainloop_tensors, tensors, pipelines, responses, tensormaps, footprint;
-};
-
-CutlassLayout cutlass_layout(const CutlassTile& t, int S, const CutlassEpilogueModel& epi, size_t a, size_t b,
-                             size_t sfa, size_t sfb) {
-  CutlassLayout L{};
-  size_t off = 0;
-  off = align_up(off, 1024) + S * a;      // smem_A
-  off = align_up(off, 1024) + S * b;      // smem_B
-  off = align_up(off, 16) + S * sfa;      // smem_SFA
-  off = align_up(off, 16) + S * sfb;      // smem_SFB
-  L.mainloop_tensors = align_up(off, 1024);  // struct alignment 1024
-  L.tensors = align_up(L.mainloop_tensors + epi.tensor_bytes, 1024);
-  (void)t;
-  off = L.tensors;
-  const size_t start_pipes = off;
-  off = align_up(off, 16) + 8 * 2 * 8;            // scheduler PipelineAsync<8>: full + empty barriers
-  off = align_up(off, 16) + static_cast<size_t>(S) * 16;  // mainloop PipelineTmaAsync<S>
-  off = align_up(off, 16) + 16;                   // epilogue load pipeline (1 stage, modelled)
-  off = align_up(off, 16) + 2 * 8;                // OrderedSequenceBarrier<1,2>
-  off = align_up(off, 16);
-  L.pipelines = off - start_pipes;
-  const size_t start_resp = off;
-  off = align_up(off, 16) + 8 * 16;               // scheduler_response[8] (16 B each, modelled)
-  L.responses = off - start_resp;
-  const size_t start_maps = off;
-  off = align_up(off, 128) + 4 * 128;             // mainloop: A, B, SFA, SFB descriptors
-  off = align_up(off, 128) + static_cast<size_t>(epi.tensormaps) * 128;
-  L.tensormaps = off - start_maps;
-  L.footprint = align_up(off, 1024);
-  return L;
-}
-
-}  // namespace
-
-CutlassSm120Plan plan_cutlass_sm120(const CutlassTile& t, int stages_override,
-                                    std::optional<CutlassEpilogueModel> epilogue, size_t capacity) {
+CutlassSm120Plan plan_cutlass_sm120(const CutlassTile& t, const CutlassSm120Options& o) {
+  namespace cm = cutlass_sm120;
   CutlassSm120Plan p;
   p.tile = t;
-  p.capacity = capacity;
-  p.epilogue = epilogue ? *epilogue : cutlass_default_epilogue(t);
+  p.options = o;
+  p.capacity = o.capacity;
   Verdict& v = p.verdict;
-  if (t.m <= 0 || t.n <= 0 || t.k <= 0 || t.m % 64 != 0 || t.n % 32 != 0 || t.k % 64 != 0) {
-    v.fail(fmt::format("tile {}x{}x{}: CUTLASS sm_120 block-scaled tiles need M % 64 == 0, N % 32 == 0 "
-                       "(the builder asserts N >= 32), K % 64 == 0",
+  if (!cm::tile_supported(t)) {
+    v.fail(fmt::format("tile {}x{}x{}: the sm_120 block-scaled builder's scale-factor atoms are 128 rows by 64 "
+                       "elements of K, so M and N must be multiples of 128 and K of 64",
                        t.m, t.n, t.k));
+    p.fix = "use a tile with M and N multiples of 128 and K a multiple of 64 (128x128x128, 128x128x256, "
+            "128x256x128, 256x128x128)";
     return p;
   }
-  p.a_stage = static_cast<size_t>(t.m) * t.k / 2;
-  p.b_stage = static_cast<size_t>(t.n) * t.k / 2;
-  p.sfa_stage = static_cast<size_t>((t.m + 127) / 128 * 128) * (t.k / 16);
-  p.sfb_stage = static_cast<size_t>((t.n + 127) / 128 * 128) * (t.k / 16);
-  p.barrier_stage = 16;
-  p.per_stage = p.a_stage + p.b_stage + p.sfa_stage + p.sfb_stage + p.barrier_stage;
-  p.auto_stages = capacity > p.epilogue.carveout_bytes
-                      ? static_cast<int>((capacity - p.epilogue.carveout_bytes) / p.per_stage)
-                      : 0;
-  p.stages = stages_override > 0 ? stages_override : p.auto_stages;
-  for (int s = 1; s < 64; ++s)
-    if (cutlass_layout(t, s, p.epilogue, p.a_stage, p.b_stage, p.sfa_stage, p.sfb_stage).footprint <= capacity)
-      p.max_stages_that_fit = s;
+  const bool pingpong = o.schedule == CutlassSchedule::kPingpong;
+  p.epilogue = cm::epilogue(t, o.epilogue);
+  p.carveout = o.carveout ? *o.carveout : p.epilogue.shared_storage;
+  p.auto_stages = cm::auto_stages(t, p.carveout, o.capacity);
+  p.stages = o.stages > 0 ? o.stages : p.auto_stages;
+  p.mainloop = cm::mainloop(t, p.stages);
+  p.kernel = cm::kernel(t, p.stages, p.epilogue, o.schedule);
+  p.max_stages_that_fit = cm::max_stages_that_fit(t, p.epilogue, o.schedule, o.capacity);
+  const size_t per = p.mainloop.auto_stage_bytes;
+  // StageCountAutoCarveout<C> picks floor((capacity - C) / per); it picks <= S exactly when
+  // C > capacity - (S + 1) * per.
+  const size_t need = static_cast<size_t>(p.max_stages_that_fit + 1) * per;
+  p.carveout_for_max_stages = o.capacity >= need ? o.capacity - need + 1 : 0;
+  p.counted_by_auto = per * static_cast<size_t>(std::max(p.stages, 0)) + p.carveout;
+  p.ignored_by_auto = static_cast<int64_t>(p.kernel.footprint) - static_cast<int64_t>(p.counted_by_auto);
+  p.over_by = static_cast<int64_t>(p.kernel.footprint) - static_cast<int64_t>(o.capacity);
 
   auto line = [&](std::string what, std::string formula, size_t bytes) {
     p.lines.push_back({std::move(what), std::move(formula), bytes});
   };
-  line("A per stage", fmt::format("M * K / 2 = {} * {} / 2 (e2m1)", t.m, t.k), p.a_stage);
-  line("B per stage", fmt::format("N * K / 2 = {} * {} / 2 (e2m1)", t.n, t.k), p.b_stage);
-  line("SFA per stage", fmt::format("ceil(M/128)*128 * K/16 = {} * {}", (t.m + 127) / 128 * 128, t.k / 16),
-       p.sfa_stage);
-  line("SFB per stage", fmt::format("ceil(N/128)*128 * K/16 = {} * {}", (t.n + 127) / 128 * 128, t.k / 16),
-       p.sfb_stage);
-  line("pipeline barrier per stage", "sizeof(PipelineTmaUmmaAsync<1>::SharedStorage)", p.barrier_stage);
-  line("per stage (StageCountAutoCarveout)", "A + B + SFA + SFB + barrier", p.per_stage);
-  line("epilogue carveout", p.epilogue.description, p.epilogue.carveout_bytes);
-  line("auto stages", fmt::format("({} - {}) / {} = {}", with_commas(capacity),
-                                  with_commas(p.epilogue.carveout_bytes), with_commas(p.per_stage), p.auto_stages),
+  const CutlassEpilogueSpec& e = o.epilogue;
+  line("A per stage", fmt::format("M * K / 2 = {} * {} / 2 (e2m1)", t.m, t.k), p.mainloop.a_stage);
+  line("B per stage", fmt::format("N * K / 2 = {} * {} / 2 (e2m1)", t.n, t.k), p.mainloop.b_stage);
+  line("SFA per stage", fmt::format("M * K / 16 = {} * {} / 16 (E4M3)", t.m, t.k), p.mainloop.sfa_stage);
+  line("SFB per stage", fmt::format("N * K / 16 = {} * {} / 16 (E4M3)", t.n, t.k), p.mainloop.sfb_stage);
+  line("pipeline barrier per stage", "sizeof(PipelineTmaUmmaAsync<1>::SharedStorage)", p.mainloop.barrier_stage);
+  line("per stage (the auto count's divisor)", "A + B + SFA + SFB + barrier", per);
+  line("epilogue D (and C) buffers",
+       fmt::format("tile {}x{}, {} D stage{}{}, {}-major, swizzle alignment {}", e.tile_m, e.tile_n,
+                   p.epilogue.stages_d, p.epilogue.stages_d == 1 ? "" : "s",
+                   !e.has_c ? ", no C"
+                   : p.epilogue.reuse_smem ? fmt::format(", C reuses them ({} stages)", p.epilogue.stages_c)
+                                           : fmt::format(", {} C stages", p.epilogue.stages_c),
+                   e.column_major ? "column" : "row", with_commas(static_cast<int64_t>(p.epilogue.alignment))),
+       p.epilogue.collective_bytes);
+  line("epilogue TensorStorage", fmt::format("buffers + fusion storage {} B, aligned to {}", e.fusion_bytes,
+                                             with_commas(static_cast<int64_t>(p.epilogue.alignment))),
+       p.epilogue.tensor_bytes);
+  line("epilogue SharedStorage", fmt::format("TensorStorage + load pipeline {} * 16, aligned", p.epilogue.stages_c),
+       p.epilogue.shared_storage);
+  line("carveout", o.carveout ? "--carveout" : "sizeof(CollectiveEpilogue::SharedStorage), as TensorRT-LLM passes it",
+       p.carveout);
+  line("auto stages", fmt::format("({} - {}) / {} = {}", with_commas(static_cast<int64_t>(o.capacity)),
+                                  with_commas(static_cast<int64_t>(p.carveout)), with_commas(static_cast<int64_t>(per)),
+                                  p.auto_stages),
        static_cast<size_t>(p.auto_stages));
   if (p.stages < 1) {
-    v.fail(fmt::format("shared memory: not one stage of {} B fits beside the {} B epilogue in {} B",
-                       with_commas(p.per_stage), with_commas(p.epilogue.carveout_bytes), with_commas(capacity)));
+    v.fail(fmt::format("shared memory: not one stage of {} B fits beside the {} B carveout in {} B",
+                       with_commas(static_cast<int64_t>(per)), with_commas(static_cast<int64_t>(p.carveout)),
+                       with_commas(static_cast<int64_t>(o.capacity))));
+    p.fix = "none: use a smaller tile";
     return p;
   }
-  const CutlassLayout L = cutlass_layout(t, p.stages, p.epilogue, p.a_stage, p.b_stage, p.sfa_stage, p.sfb_stage);
-  p.mainloop_tensors = L.mainloop_tensors;
-  p.tensors = L.tensors;
-  p.pipelines = L.pipelines;
-  p.scheduler_responses = L.responses;
-  p.tensormaps = L.tensormaps;
-  p.footprint = L.footprint;
-  const size_t counted = p.per_stage * p.stages + p.epilogue.carveout_bytes;
-  p.ignored_by_auto = p.footprint > counted ? p.footprint - counted : 0;
-  p.over_by = static_cast<int64_t>(p.footprint) - static_cast<int64_t>(capacity);
-  line("auto's estimate", fmt::format("stages * per stage + carveout = {} * {} + {}", p.stages,
-                                      with_commas(p.per_stage), with_commas(p.epilogue.carveout_bytes)),
-       counted);
-  line("mainloop tensors", "A, B (alignas 1024), SFA, SFB (alignas 16), struct aligned to 1024",
-       p.mainloop_tensors);
-  line("tensors", fmt::format("mainloop + epilogue {} B, aligned to 1024", with_commas(p.epilogue.tensor_bytes)),
-       p.tensors);
-  line("pipelines", fmt::format("scheduler 128 + mainloop {} * 16 + epilogue load 16 + load order 16",
-                                p.stages),
-       p.pipelines);
-  line("scheduler responses", "8 x 16 (alignas 16)", p.scheduler_responses);
-  line("tensor maps", fmt::format("(4 + {}) x 128-byte TMA descriptors, alignas 128", p.epilogue.tensormaps),
-       p.tensormaps);
-  line("kernel SharedStorage", "sum, rounded to the struct's 1024-byte alignment", p.footprint);
-  line("ignored by the auto count", "SharedStorage - auto's estimate", p.ignored_by_auto);
-  if (p.over_by > 0)
-    v.fail(fmt::format("shared memory: needs {} B per block, sm_120 allows {} B (over by {} B); the auto "
-                       "count picked {} stages of {} B, {} stage{} fit{}",
-                       with_commas(p.footprint), with_commas(capacity), with_commas(p.over_by), p.stages,
-                       with_commas(p.per_stage), p.max_stages_that_fit, p.max_stages_that_fit == 1 ? "" : "s",
-                       p.max_stages_that_fit >= 2 ? fmt::format(" (use StageCount<{}>)", p.max_stages_that_fit)
-                                                  : " (a smaller tile is needed: 2 stages are the minimum)"));
-  else if (p.stages < 2)
-    v.fail(fmt::format("pipeline: {} stage{} of {} B fit{}; the mainloop needs at least 2", p.stages,
-                       p.stages == 1 ? "" : "s", with_commas(p.per_stage), p.stages == 1 ? "s" : ""));
+  line("the auto count's budget", fmt::format("stages * per stage + carveout = {} * {} + {}", p.stages,
+                                              with_commas(static_cast<int64_t>(per)),
+                                              with_commas(static_cast<int64_t>(p.carveout))),
+       p.counted_by_auto);
+  line("mainloop TensorStorage", fmt::format("{} stages of A, B (each aligned to 1,024), SFA, SFB, aligned", p.stages),
+       p.mainloop.tensor_bytes);
+  line("kernel TensorStorage", "mainloop + epilogue, aligned to 1,024", p.kernel.tensors);
+  line("kernel PipelineStorage",
+       fmt::format("scheduler 8 * 16 + mainloop {} * 16 + epilogue load {} * 16 + load order 16{}", p.stages,
+                   p.epilogue.stages_c, pingpong ? " + math order 32" : ""),
+       p.kernel.pipelines);
+  line("scheduler responses", "8 * 16", p.kernel.responses);
+  line("tensor maps", fmt::format("(4 + {}) TMA descriptors of 128 B", p.epilogue.tensormaps), p.kernel.tensormaps);
+  line("kernel SharedStorage", "sum, aligned to 1,024: the launch's dynamic shared memory", p.kernel.footprint);
+  line("not in the auto count's budget", "SharedStorage - budget",
+       static_cast<size_t>(std::max<int64_t>(p.ignored_by_auto, 0)));
+
+  const int S = p.max_stages_that_fit;
+  if (p.over_by > 0) {
+    v.fail(fmt::format("shared memory: needs {} B per block, the limit is {} B (over by {} B); {} stages of {} B "
+                       "were {}; at most {} fit",
+                       with_commas(static_cast<int64_t>(p.kernel.footprint)),
+                       with_commas(static_cast<int64_t>(o.capacity)), with_commas(p.over_by), p.stages,
+                       with_commas(static_cast<int64_t>(per)),
+                       o.stages > 0 ? "requested" : "picked by StageCountAutoCarveout", S));
+  } else if (p.stages < 2) {
+    v.fail(fmt::format("pipeline: {} stage of {} B fits; the mainloop needs at least 2",
+                       p.stages, with_commas(static_cast<int64_t>(per))));
+  }
+  if (S < 2) {
+    p.fix = fmt::format("none with this tile: {} stage{} fit{}, the pipeline needs 2; use a smaller tile", S,
+                        S == 1 ? "" : "s", S == 1 ? "s" : "");
+  } else if (v.valid && p.stages == S) {
+    p.fix = fmt::format("none needed: {} stages is the largest count that fits", S);
+  } else if (v.valid) {
+    p.fix = fmt::format("none needed; StageCount<{}> would fit too", S);
+  } else if (o.stages > 0) {
+    p.fix = fmt::format("pass StageCount<{}> (the largest count that fits)", S);
+  } else {
+    p.fix = fmt::format("pass StageCount<{}>, or subtract {} B more: StageCountAutoCarveout<{}>", S,
+                        with_commas(static_cast<int64_t>(p.carveout_for_max_stages - p.carveout)),
+                        p.carveout_for_max_stages);
+  }
   return p;
 }
 

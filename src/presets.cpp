@@ -1,4 +1,4 @@
-// Model presets (values from ../shared/notes/models.md) and MoeConfig::validate().
+// Model presets (values and sources: docs/models.md) and MoeConfig::validate().
 #include <cmath>
 #include <string>
 #include <vector>

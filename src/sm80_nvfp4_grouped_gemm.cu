@@ -5,11 +5,13 @@
 #include <cstdlib>
 #include <cmath>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/grouped_gemm.hpp"
 #include "launch.hpp"
+#include "fp4moe/planner.hpp"
 #include "sm80_nvfp4_grouped_gemm_internal.hpp"
 
 namespace fp4moe {
@@ -232,34 +234,55 @@ int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue, i
   return launch_info(device, fn, cfg, k).ctas_per_sm;
 }
 
-TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, int num_sms) {
+TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, const ArchInfo& arch,
+                                 std::string* why) {
+  // The pick for Hopper, by rows per expert; then, if the arch cannot run it (no wgmma, less shared
+  // memory) or the shape cannot use it, the nearest config that is valid there. A pure function of its
+  // arguments, so that the choice for any GPU can be checked on a CPU.
   const bool k128 = k % 128 == 0;
   // Rows of an active expert vary around the mean (random routing); cover ~1.5x the mean in one tile
   // so that each expert's weights stream once.
   const double r = rows_per_expert * 1.5;
-  (void)n;
-  (void)num_sms;
-  int dev = 0, major = 0, optin = 0, per_sm = 0;
-  const bool have_gpu = cudaGetDevice(&dev) == cudaSuccess &&
-                        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
-                        cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) == cudaSuccess;
-  // decode: the stream kernel, when its activation rows (bt x K) fit the block's shared memory
-  if (have_gpu && r <= 16) {
-    // T ~ 1: two CTAs per SM, where two sets of activation rows fit an SM (1 KB reserved per block)
-    const TileConfig c2{192, 8, 64, 4, 12, 2, 2};
-    if (r <= 1.5 && 2 * (stream_smem_layout(c2, k).total_bytes + 1024) <= static_cast<size_t>(per_sm)) return c2;
-    const TileConfig s = r <= 8 ? TileConfig{384, 8, 64, 5, 24, 2, 1} : TileConfig{256, 16, 64, 8, 16, 2, 1};
-    if (stream_smem_layout(s, k).total_bytes <= static_cast<size_t>(optin)) return s;
-  }
-  if (!k128) return rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};
-  if (r <= 16) return TileConfig{128, 16, 128, 6, 8};
-  if (r <= 32) return TileConfig{128, 32, 128, 5, 8};
-  if (r <= 64) return TileConfig{128, 64, 128, 4, 8};
+  // decode: the stream kernel (bt 8 up to ~8 rows per expert, bt 16 up to ~16); at ~1 row per expert
+  // two CTAs per SM where two CTAs' activation rows fit an SM
+  const TileConfig c2{192, 8, 64, 4, 12, 2, 2};
+  const bool c2_fits = 2 * (stream_smem_layout(c2, k).total_bytes + arch.reserved_smem_per_block) <= arch.smem_per_sm;
+  TileConfig want;
+  if (r <= 1.5 && c2_fits) want = c2;
+  else if (r <= 8) want = TileConfig{384, 8, 64, 5, 24, 2, 1};
+  else if (r <= 16) want = TileConfig{256, 16, 64, 8, 16, 2, 1};
+  else if (!k128) want = rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};
+  else if (r <= 32) want = TileConfig{128, 32, 128, 5, 8};
+  else if (r <= 64) want = TileConfig{128, 64, 128, 4, 8};
   // prefill: Hopper's wgmma with the widest token tile the rows fill
-  if (have_gpu && major == 9)
-    return r <= 192 ? TileConfig{128, 128, 64, 4, 8, 1} : TileConfig{128, 256, 64, 4, 8, 1};
-  return TileConfig{128, 128, 64, 4, 8};
+  else if (arch.has(kWgmma)) want = r <= 192 ? TileConfig{128, 128, 64, 4, 8, 1} : TileConfig{128, 256, 64, 4, 8, 1};
+  else want = TileConfig{128, 128, 64, 4, 8};
+  const int experts = 1;  // the expert count does not change which configs are valid below kMaxExperts
+  auto usable = [&](const TileConfig& c) {  // stream configs: their activation rows span K
+    return plan_sm80(c, arch, 0, k).verdict.valid && check_problem_sm80(c, n, k, experts, &arch).valid;
+  };
+  if (usable(want)) {
+    if (why != nullptr) *why = fmt::format("{} rows per expert -> {}", rows_per_expert, want.name());
+    return want;
+  }
+  // Nearest valid config: the same token tile if possible (it decides how often weights are re-read),
+  // then the same K stage, then the deepest pipeline.
+  const TileConfig* best = nullptr;
+  auto score = [&](const TileConfig& c) {
+    return std::make_tuple(std::abs(c.bt - want.bt), c.bk == want.bk ? 0 : 1, -c.stages, c.mma, c.ctas);
+  };
+  for (const TileConfig& c : kGemmConfigs)
+    if (usable(c) && (best == nullptr || score(c) < score(*best))) best = &c;
+  FP4MOE_REQUIRE(best != nullptr,
+                 "no config of kGemmConfigs can run N = {}, K = {} on {} (see `fp4moe explain --arch {}`)", n, k,
+                 arch.name, arch.name);
+  if (why != nullptr) {
+    const Verdict v = plan_sm80(want, arch, 0, k).verdict;
+    *why = fmt::format("{} rows per expert -> {}, which cannot run here ({}); the nearest valid config is {}",
+                       rows_per_expert, want.name(),
+                       !v.valid ? v.reason : check_problem_sm80(want, n, k, experts, &arch).reason, best->name());
+  }
+  return *best;
 }
 
 }  // namespace fp4moe

@@ -1,8 +1,9 @@
-// Tuner cache: keys, lookup, fallback (tuner.hpp). The GPU timing loop is src/tuner_run.cu.
+// Tuner tables: keys, lookup, fallback (tuner.hpp). The GPU timing loop is src/tuner_run.cpp.
 #include "fp4moe/tuner.hpp"
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -35,9 +36,23 @@ std::string TuneProblem::key() const {
   return fmt::format("E{}_N{}_K{}_{}_{}_{}", experts, n, k, weight_format, act_format, epilogue_name(epilogue));
 }
 
-nlohmann::json TuneKey::to_json() const {
-  return {{"gpu", gpu}, {"cc", cc}, {"cuda_runtime", cuda_runtime}, {"cuda_driver", cuda_driver},
-          {"fp4moe_version", fp4moe_version}};
+std::string gemm_config_list_id() {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const TileConfig& c : kGemmConfigs) {
+    for (char ch : c.name() + ";") {
+      h ^= static_cast<unsigned char>(ch);
+      h *= 0x100000001b3ull;
+    }
+  }
+  return fmt::format("{}:{:016x}", kNumGemmConfigs, h);
+}
+
+nlohmann::json TuneKey::key_json() const {
+  return {{"gpu", gpu}, {"cc", cc}, {"sms", sms}, {"config_list", config_list}};
+}
+
+nlohmann::json TuneKey::provenance_json() const {
+  return {{"cuda_runtime", cuda_runtime}, {"cuda_driver", cuda_driver}, {"fp4moe_version", fp4moe_version}};
 }
 
 TuneKey current_tune_key(int device) {
@@ -46,9 +61,60 @@ TuneKey current_tune_key(int device) {
   TuneKey k;
   k.gpu = p.name;
   k.cc = fmt::format("{}.{}", p.major, p.minor);
+  k.sms = p.multiProcessorCount;
   FP4MOE_CUDA_CHECK(cudaRuntimeGetVersion(&k.cuda_runtime));
   FP4MOE_CUDA_CHECK(cudaDriverGetVersion(&k.cuda_driver));
   return k;
+}
+
+TuneKey tune_key_from_json(const nlohmann::json& doc) {
+  const std::string format = doc.value("format", std::string());
+  const nlohmann::json& key = doc.at("key");
+  TuneKey k;
+  k.gpu = key.at("gpu").get<std::string>();
+  k.cc = key.at("cc").get<std::string>();
+  if (format == "fp4moe-tune/2") {
+    k.sms = key.at("sms").get<int>();
+    k.config_list = key.at("config_list").get<std::string>();
+    const nlohmann::json& prov = doc.at("provenance");
+    k.cuda_runtime = prov.value("cuda_runtime", 0);
+    k.cuda_driver = prov.value("cuda_driver", 0);
+    k.fp4moe_version = prov.value("fp4moe_version", std::string());
+  } else if (format == "fp4moe-tune/1") {
+    // The first format keyed on the versions and recorded neither the SM count nor the config list.
+    k.sms = 0;
+    k.config_list.clear();
+    k.cuda_runtime = key.value("cuda_runtime", 0);
+    k.cuda_driver = key.value("cuda_driver", 0);
+    k.fp4moe_version = key.value("fp4moe_version", std::string());
+  } else {
+    FP4MOE_FAIL("format '{}' is not fp4moe-tune/2 (or the older fp4moe-tune/1)", format);
+  }
+  return k;
+}
+
+std::string tune_key_mismatch(const TuneKey& t, const TuneKey& p, std::vector<std::string>* notes) {
+  if (t.gpu != p.gpu || t.cc != p.cc)
+    return fmt::format("measured on {} (cc {}), this GPU is {} (cc {})", t.gpu, t.cc, p.gpu, p.cc);
+  if (t.sms != 0 && p.sms != 0 && t.sms != p.sms)
+    return fmt::format("measured on {} SMs, this {} has {} (the SM count decides the waves)", t.sms, p.gpu, p.sms);
+  if (notes == nullptr) return "";
+  if (t.sms == 0) notes->push_back("the table does not record its SM count");
+  if (t.config_list.empty())
+    notes->push_back(fmt::format("the table does not record its config list (this build: {})", p.config_list));
+  else if (t.config_list != p.config_list)
+    notes->push_back(fmt::format("measured over config list {}, this build has {}: `fp4moe tune` would also "
+                                 "weigh the configs added since",
+                                 t.config_list, p.config_list));
+  std::string prov;
+  auto differs = [&](const char* what, const std::string& table, const std::string& here) {
+    if (table != here) prov += fmt::format("{}{} {} (this process {})", prov.empty() ? "" : ", ", what, table, here);
+  };
+  differs("CUDA runtime", std::to_string(t.cuda_runtime), std::to_string(p.cuda_runtime));
+  differs("driver", std::to_string(t.cuda_driver), std::to_string(p.cuda_driver));
+  differs("fp4moe", t.fp4moe_version, p.fp4moe_version);
+  if (!prov.empty()) notes->push_back("provenance differs: " + prov);
+  return "";
 }
 
 nlohmann::json tile_config_to_json(const TileConfig& c) {
@@ -82,70 +148,102 @@ std::string exe_dir() {
   return ec ? std::string() : p.parent_path().string();
 }
 
-// Tries one JSON file; returns true when it settled the lookup (config found, or a definite reason).
-bool lookup_file(const fs::path& file, const TuneProblem& problem, int64_t tokens, const TuneKey& key,
-                 TuneLookup& out, std::vector<std::string>& notes) {
+bool in_build(const TileConfig& cfg) {
+  for (const TileConfig& c : kGemmConfigs)
+    if (c == cfg) return true;
+  return false;
+}
+
+// One table file, read and matched against the process's key.
+struct Table {
+  fs::path file;
+  nlohmann::json doc;
+  TuneKey key;
+  std::vector<std::string> notes;  // differences that do not stop its use
+};
+
+// Reads `file`; returns false (with a note) when it cannot be used for `key`.
+bool read_table(const fs::path& file, const TuneKey& key, Table& t, std::vector<std::string>& notes) {
   std::ifstream in(file);
   if (!in) {
-    notes.push_back(fmt::format("tuner cache {} cannot be read", file.string()));
+    notes.push_back(fmt::format("tuner table {} cannot be read", file.string()));
     return false;
   }
-  nlohmann::json doc;
   try {
-    doc = nlohmann::json::parse(in);
+    t.file = file;
+    t.doc = nlohmann::json::parse(in);
+    t.key = tune_key_from_json(t.doc);
   } catch (const std::exception& e) {
-    notes.push_back(fmt::format("tuner cache {} is corrupt ({})", file.string(), e.what()));
+    notes.push_back(fmt::format("tuner table {} is corrupt ({})", file.string(), e.what()));
     return false;
   }
+  const std::string why = tune_key_mismatch(t.key, key, &t.notes);
+  if (!why.empty()) {
+    notes.push_back(fmt::format("tuner table {}: {}", file.string(), why));
+    return false;
+  }
+  return true;
+}
+
+// Looks the problem up in one table of this GPU; true when it gave a config.
+bool lookup_in_table(const Table& t, const TuneProblem& problem, int64_t tokens, TuneLookup& out,
+                     std::vector<std::string>& notes) {
   try {
-    if (doc.value("format", std::string()) != "fp4moe-tune/1") {
-      notes.push_back(fmt::format("tuner cache {} is not format fp4moe-tune/1", file.string()));
-      return false;
-    }
-    const nlohmann::json want = key.to_json();
-    const nlohmann::json& have = doc.at("key");
-    if (have != want) {
-      std::string diff;
-      for (auto it = want.begin(); it != want.end(); ++it)
-        if (!have.contains(it.key()) || have.at(it.key()) != it.value())
-          diff += fmt::format("{}{} {} (this process: {})", diff.empty() ? "" : ", ", it.key(),
-                              have.contains(it.key()) ? have.at(it.key()).dump() : "missing", it.value().dump());
-      notes.push_back(fmt::format("tuner cache {} is stale: {}", file.string(), diff));
-      return false;
-    }
-    for (const auto& entry : doc.at("entries")) {
+    for (const auto& entry : t.doc.at("entries")) {
       if (entry.at("problem_key").get<std::string>() != problem.key()) continue;
       const nlohmann::json* best = nullptr;
       int64_t best_tokens = -1;
       const nlohmann::json* smallest = nullptr;
       int64_t smallest_tokens = LLONG_MAX;
       for (const auto& b : entry.at("buckets")) {
-        const int64_t t = b.at("tokens").get<int64_t>();
-        if (t <= tokens && t > best_tokens) best = &b, best_tokens = t;
-        if (t < smallest_tokens) smallest = &b, smallest_tokens = t;
+        const int64_t tk = b.at("tokens").get<int64_t>();
+        if (tk <= tokens && tk > best_tokens) best = &b, best_tokens = tk;
+        if (tk < smallest_tokens) smallest = &b, smallest_tokens = tk;
       }
       if (best == nullptr) best = smallest, best_tokens = smallest_tokens;
       if (best == nullptr) break;
-      const TileConfig cfg = tile_config_from_json(best->at("best"));
-      bool compiled = false;
-      for (const TileConfig& c : kGemmConfigs) compiled = compiled || c == cfg;
-      if (!compiled) {
-        notes.push_back(fmt::format("tuner cache {} names {} which is not in kGemmConfigs", file.string(),
-                                    cfg.name()));
-        return false;
+      std::vector<std::string> skipped_notes;
+      TileConfig cfg = tile_config_from_json(best->at("best"));
+      if (!in_build(cfg)) {
+        // The bucket's winner is not compiled into this build: the fastest measured config that is.
+        const std::string missing = cfg.name();
+        const nlohmann::json timings = best->value("timings", nlohmann::json::array());  // outlives `pick`
+        const nlohmann::json* pick = nullptr;
+        double pick_us = 0;
+        for (const auto& tm : timings) {
+          const TileConfig c = tile_config_from_json(tm.at("cfg"));
+          const double us = tm.at("median_us").get<double>();
+          if (in_build(c) && (pick == nullptr || us < pick_us)) pick = &tm, pick_us = us;
+        }
+        if (pick == nullptr) {
+          notes.push_back(fmt::format("tuner table {} picks {} for {} at T = {}, which this build does not "
+                                      "contain, and no other measured config is in the build",
+                                      t.file.string(), missing, problem.key(), best_tokens));
+          return false;
+        }
+        cfg = tile_config_from_json(pick->at("cfg"));
+        skipped_notes.push_back(fmt::format("skipped {} (not in this build); {} is the fastest measured config "
+                                            "the build contains",
+                                            missing, cfg.name()));
       }
       out.config = cfg;
       out.bucket = best_tokens;
-      out.source = "tuned cache " + file.string();
-      out.reason = fmt::format("measured best for {} at bucket T = {} ({} tokens asked{})", problem.key(),
-                               best_tokens, tokens,
-                               best_tokens <= tokens ? ": largest tuned bucket <= T" : ": below every bucket");
+      out.table = t.file.string();
+      out.source = "tuned table " + t.file.string();
+      out.notes = t.notes;
+      out.notes.insert(out.notes.end(), skipped_notes.begin(), skipped_notes.end());
+      out.reason = fmt::format("measured best for {} at bucket T = {} ({} tokens asked{}); table key {}, "
+                               "{}, {} SMs",
+                               problem.key(), best_tokens, tokens,
+                               best_tokens <= tokens ? ": largest tuned bucket <= T" : ": below every bucket",
+                               t.key.gpu, t.key.cc, t.key.sms > 0 ? std::to_string(t.key.sms) : "?");
+      for (const auto& n : out.notes) out.reason += "; " + n;
       return true;
     }
-    notes.push_back(fmt::format("tuner cache {} has no entry for {}", file.string(), problem.key()));
+    notes.push_back(fmt::format("tuner table {} has no entry for {}", t.file.string(), problem.key()));
     return false;
   } catch (const std::exception& e) {
-    notes.push_back(fmt::format("tuner cache {} is corrupt ({})", file.string(), e.what()));
+    notes.push_back(fmt::format("tuner table {} is corrupt ({})", t.file.string(), e.what()));
     return false;
   }
 }
@@ -171,32 +269,43 @@ TuneLookup lookup_tuned_config(const TuneProblem& problem, int64_t tokens, const
   std::vector<std::string> notes;
   try {
     std::error_code ec;
+    std::vector<fs::path> files;
     if (path.empty()) {
-      notes.push_back("no tuner cache ($FP4MOE_TUNE_CACHE unset and no shipped tune/ directory found)");
+      notes.push_back("no tuner table ($FP4MOE_TUNE_CACHE unset and no shipped tune/ directory found)");
     } else if (fs::is_directory(path, ec)) {
-      std::vector<fs::path> files;
       for (const auto& e : fs::directory_iterator(path, ec))
         if (e.path().extension() == ".json") files.push_back(e.path());
       std::sort(files.begin(), files.end());
-      if (files.empty()) notes.push_back(fmt::format("tuner cache directory {} has no tables (*.json)", path));
-      std::vector<std::string> file_notes;
-      for (const auto& f : files)
-        if (lookup_file(f, problem, tokens, key, out, file_notes)) return out;
-      // In a directory of tables for many GPUs, a table of another GPU is not a problem; report only
-      // that none matched, with the reasons.
-      if (!files.empty()) {
-        std::string all;
-        for (const auto& n : file_notes) all += "; " + n;
-        notes.push_back(fmt::format("no table in {} matches {} on {} (cc {}){}", path, problem.key(), key.gpu,
-                                    key.cc, all));
-      }
+      if (files.empty()) notes.push_back(fmt::format("tuner table directory {} has no tables (*.json)", path));
     } else if (!fs::exists(path, ec)) {
-      notes.push_back(fmt::format("tuner cache {} does not exist", path));
-    } else if (lookup_file(path, problem, tokens, key, out, notes)) {
-      return out;
+      notes.push_back(fmt::format("tuner table {} does not exist", path));
+    } else {
+      files.push_back(path);
+    }
+    // Tables of this GPU; those measured over this build's config list first.
+    std::vector<Table> tables;
+    std::vector<std::string> table_notes;
+    for (const auto& f : files) {
+      Table t;
+      if (read_table(f, key, t, table_notes)) tables.push_back(std::move(t));
+    }
+    std::stable_sort(tables.begin(), tables.end(), [&](const Table& a, const Table& b) {
+      return (a.key.config_list == key.config_list) > (b.key.config_list == key.config_list);
+    });
+    for (const Table& t : tables)
+      if (lookup_in_table(t, problem, tokens, out, table_notes)) return out;
+    if (files.size() > 1) {
+      // In a directory of tables for many GPUs, another GPU's table is not a problem; report only that
+      // none matched, with the reasons.
+      std::string all;
+      for (const auto& n : table_notes) all += "; " + n;
+      notes.push_back(fmt::format("no table in {} serves {} on {} (cc {}, {} SMs){}", path, problem.key(), key.gpu,
+                                  key.cc, key.sms, all));
+    } else {
+      notes.insert(notes.end(), table_notes.begin(), table_notes.end());
     }
   } catch (const std::exception& e) {
-    notes.push_back(fmt::format("tuner cache {} could not be read ({})", path, e.what()));
+    notes.push_back(fmt::format("tuner table {} could not be read ({})", path, e.what()));
   }
   std::string reason;
   for (const auto& n : notes) reason += (reason.empty() ? "" : "; ") + n;
@@ -212,42 +321,61 @@ std::optional<TileConfig> tuned_config(const TuneProblem& problem, int64_t token
     if (cudaGetDevice(&device) != cudaSuccess) return std::nullopt;
     return lookup_tuned_config(problem, tokens, current_tune_key(device), tune_cache_path()).config;
   } catch (const std::exception& e) {
-    warn_once(fmt::format("tuner cache lookup failed ({}); using the heuristic", e.what()));
+    warn_once(fmt::format("tuner table lookup failed ({}); using the heuristic", e.what()));
     return std::nullopt;
   }
 }
 
-TuneLookup choose_config(const TuneProblem& problem, int64_t tokens, int num_sms) {
+TuneLookup choose_config(const TuneProblem& problem, int64_t tokens, const ArchInfo& arch) {
   TuneLookup l;
   try {
-    if (gpu_available()) {
+    if (arch.from_device) {
       int device = 0;
       FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
       l = lookup_tuned_config(problem, tokens, current_tune_key(device), tune_cache_path(), false);
     } else {
       l.source = "heuristic";
-      l.reason = "no GPU present, so no tuner cache key; using the heuristic";
+      l.reason = fmt::format("{} is described by the architecture table, not a present GPU, so no tuner table "
+                             "applies; using the heuristic",
+                             arch.name);
     }
   } catch (const std::exception& e) {
     l = TuneLookup{};
     l.source = "heuristic";
-    l.reason = fmt::format("tuner cache lookup failed ({}); using the heuristic", e.what());
+    l.reason = fmt::format("tuner table lookup failed ({}); using the heuristic", e.what());
+  }
+  if (l.config) {
+    // A table of this GPU names configs valid on it; checked anyway, so nothing unproven is launched.
+    const Verdict v = plan_sm80(*l.config, arch).verdict;
+    const Verdict pv = check_problem_sm80(*l.config, problem.n, problem.k, problem.experts);
+    if (!v.valid || !pv.valid) {
+      l.reason = fmt::format("tuner table {} picks {}, which is not valid here ({}); using the heuristic", l.table,
+                             l.config->name(), !v.valid ? v.reason : pv.reason);
+      l.config.reset();
+      l.table.clear();
+    }
   }
   if (!l.config) {
     const double rows = problem.experts > 0 ? static_cast<double>(tokens) * problem.top_k / problem.experts : 0.0;
-    l.config = heuristic_tile_config(problem.n, problem.k, rows, num_sms);
+    std::string rule;
+    l.config = heuristic_tile_config(problem.n, problem.k, rows, arch, &rule);
     l.source = "heuristic";
-    l.reason += fmt::format(" (heuristic_tile_config(N = {}, K = {}, rows per expert = {:.2f}, SMs = {}))",
-                            problem.n, problem.k, rows, num_sms);
+    l.reason += fmt::format(" (heuristic_tile_config(N = {}, K = {}, rows per expert = {:.2f}, {}): {})", problem.n,
+                            problem.k, rows, arch.name, rule);
   }
   return l;
 }
 
 nlohmann::json merge_tune_cache(const nlohmann::json& existing, const nlohmann::json& fresh) {
-  if (!existing.is_object() || existing.value("format", std::string()) != "fp4moe-tune/1" ||
-      !existing.contains("key") || existing.at("key") != fresh.at("key"))
+  try {
+    if (!existing.is_object() || existing.value("format", std::string()) != fresh.value("format", std::string()) ||
+        existing.at("key") != fresh.at("key"))
+      return fresh;
+  } catch (const std::exception&) {
     return fresh;
+  }
   nlohmann::json out = existing;
+  if (fresh.contains("provenance")) out["provenance"] = fresh.at("provenance");
   for (const auto& e : fresh.at("entries")) {
     auto& entries = out["entries"];
     bool replaced = false;

@@ -27,7 +27,7 @@ namespace {
 
 struct DeviceBuffer {
   void* p = nullptr;
-  explicit DeviceBuffer(size_t bytes) { FP4MOE_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16))); }
+  explicit DeviceBuffer(size_t bytes) { p = device_malloc(std::max<size_t>(bytes, 16), "a tuner input set"); }
   ~DeviceBuffer() { cudaFree(p); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -97,8 +97,10 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
   std::mt19937_64 rng(opt.seed);
 
   nlohmann::json doc;
-  doc["format"] = "fp4moe-tune/1";
-  doc["key"] = current_tune_key(device).to_json();
+  doc["format"] = "fp4moe-tune/2";
+  const TuneKey key = current_tune_key(device);
+  doc["key"] = key.key_json();
+  doc["provenance"] = key.provenance_json();
   doc["entries"] = nlohmann::json::array();
 
   cudaStream_t stream;

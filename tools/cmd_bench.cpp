@@ -11,7 +11,10 @@
 #include "commands.hpp"
 #include "ep_bench.hpp"
 #include "fp4moe/config.hpp"
+#include "fp4moe/arch.hpp"
 #include "fp4moe/cuda_check.hpp"
+#include "fp4moe/moe_layer.hpp"
+#include "fp4moe/tuner.hpp"
 #include "gemm_bench.hpp"
 #include "layer_bench.hpp"
 
@@ -44,8 +47,8 @@ TileConfig parse_tile(const std::string& s) {
   return c;
 }
 
-// The device machine gets a copy of the tree without git history: scripts/device_run.sh passes the
-// commit in FP4MOE_COMMIT.
+// The commit measured, for the results file: $FP4MOE_COMMIT (scripts/gpu_check.sh sets it from git; a
+// copy of the tree without git history can pass it by hand).
 std::string commit_id() {
   const char* c = std::getenv("FP4MOE_COMMIT");
   return c ? c : "unknown";
@@ -88,7 +91,9 @@ void run_gemm_mode(const BenchArgs& a, const MoeConfig& cfg, const bench::Ceilin
                            {"time_over_weight_floor", r.fp4_us / floor_us},
                            {"config_gemm1", r.cfg1.name()},
                            {"config_gemm2", r.cfg2.name()},
-                           {"configs_from", r.tuned ? "tuner cache" : "heuristic"},
+                           {"configs_from", r.tuned ? "tuner table" : "heuristic"},
+                           {"config_source_gemm1", r.source1},
+                           {"config_source_gemm2", r.source2},
                            {"heuristic_us", r.heuristic_us},
                            {"heuristic_config_gemm1", r.heuristic_us > 0 ? r.hcfg1.name() : ""},
                            {"heuristic_config_gemm2", r.heuristic_us > 0 ? r.hcfg2.name() : ""},
@@ -101,6 +106,27 @@ void run_gemm_mode(const BenchArgs& a, const MoeConfig& cfg, const bench::Ceilin
       std::printf("%7lld %12.1f %12.1f %7.2fx  %s | %s%s\n", (long long)r.tokens, r.fp4_us, r.heuristic_us,
                   r.heuristic_us / r.fp4_us, r.hcfg1.name().c_str(), r.hcfg2.name().c_str(),
                   r.tuned ? "" : "  (no tuner table matched: picked = heuristic)");
+  }
+}
+
+// Which tuner table serves this GPU (or why none does), and how its provenance and config list
+// differ from this process's: the tables are keyed by GPU, compute capability, SM count and config
+// list, so another driver or fp4moe version still uses them, and says so here.
+void print_tuner_tables(const MoeConfig& cfg, nlohmann::json& out) {
+  int dev = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  const ArchInfo arch = arch_from_device(dev);
+  std::vector<TuneLookup> why;
+  moe_layer_tile_configs(cfg, 1, arch, &why);
+  const char* names[] = {"GEMM1", "GEMM2", "shared GEMM1", "shared GEMM2"};
+  out["tuner_tables"] = nlohmann::json::array();
+  for (size_t i = 0; i < why.size(); ++i) {
+    const TuneLookup& l = why[i];
+    std::printf("tuner table for %s: %s\n", names[i], l.table.empty() ? "none" : l.table.c_str());
+    if (l.table.empty()) std::printf("  why: %s\n", l.reason.c_str());
+    for (const auto& n : l.notes) std::printf("  note: %s\n", n.c_str());
+    out["tuner_tables"].push_back({{"gemm", names[i]}, {"table", l.table}, {"notes", l.notes},
+                                   {"reason", l.table.empty() ? l.reason : ""}});
   }
 }
 
@@ -167,6 +193,7 @@ void register_bench(CLI::App& app) {
                           {"commit", commit_id()},
                           {"model", cfg.name},
                           {"ceilings", {{"stream_read_tbps", c.stream_read_tbps}, {"bf16_gemm_tflops", c.bf16_tflops}}}};
+    print_tuner_tables(cfg, out);
     if (args->mode == "gemm" || args->mode == "both") run_gemm_mode(*args, cfg, c, s, out);
     if (args->mode == "layer" || args->mode == "both") {
       bench::LayerBenchOptions o;

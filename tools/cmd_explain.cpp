@@ -12,6 +12,7 @@
 #include "fp4moe/arch.hpp"
 #include "fp4moe/config.hpp"
 #include "fp4moe/error.hpp"
+#include "fp4moe/moe_layer.hpp"
 #include "fp4moe/planner.hpp"
 #include "fp4moe/tuner.hpp"
 
@@ -29,7 +30,10 @@ struct ExplainArgs {
   std::string model;
   int64_t tokens = 0;
   int sms = 0;
-  int64_t epilogue_bytes = -1;
+  int64_t carveout = -1;
+  std::string schedule = "auto";
+  bool no_source = false;
+  bool row_major = false;
 };
 
 void print_lines(const std::vector<SmemLine>& lines) {
@@ -127,22 +131,33 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
   }
   fmt::print("{} of {} configs valid on {}\n", valid, kNumGemmConfigs, arch.name);
   if (!a.model.empty()) {
+    // What the layer would run on this arch at T tokens: moe_layer_tile_configs is the layer's own choice.
     const MoeConfig& m = preset(a.model);
     const int64_t T = a.tokens > 0 ? a.tokens : 1;
-    for (int g = 1; g <= 2; ++g) {
-      TuneProblem pr;
-      pr.experts = m.num_experts;
-      pr.top_k = m.top_k;
-      pr.n = g == 1 ? m.gemm1_n() : m.gemm2_n();
-      pr.k = g == 1 ? m.gemm1_k() : m.gemm2_k();
-      pr.epilogue = g == 1 ? (m.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU
-                                                                         : GemmEpilogue::kSwiGLU)
-                           : GemmEpilogue::kPlain;
-      const TuneLookup l = choose_config(pr, T, arch.num_sms);
-      fmt::print("GEMM{} of {} at T = {}: {} picks {}\n  why: {}\n", g, m.name, T, l.source, l.config->name(),
-                 l.reason);
-      const Sm80Plan p = plan_sm80(*l.config, arch);
-      const Verdict pv = check_problem_sm80(*l.config, pr.n, pr.k, pr.experts);
+    std::vector<TuneLookup> why;
+    const MoeResolvedTileConfigs picks = moe_layer_tile_configs(m, T, arch, &why);
+    const TileConfig cfgs[] = {picks.gemm1, picks.gemm2, picks.shared_gemm1, picks.shared_gemm2};
+    const int64_t Is = m.intermediate * m.num_shared;
+    const int64_t ns[] = {m.gemm1_n(), m.gemm2_n(), 2 * Is, m.hidden}, ks[] = {m.gemm1_k(), m.gemm2_k(), m.hidden, Is};
+    const int es[] = {m.num_experts, m.num_experts, 1, 1};
+    const double rows[] = {static_cast<double>(T) * m.top_k / m.num_experts, static_cast<double>(T) * m.top_k / m.num_experts,
+                           static_cast<double>(T), static_cast<double>(T)};
+    const char* names[] = {"GEMM1 (gate+up)", "GEMM2 (down)", "shared GEMM1", "shared GEMM2"};
+    fmt::print("\n{} at T = {} on {}: what the layer runs (moe_layer_tile_configs)\n", m.name, T, arch.name);
+    for (size_t g = 0; g < why.size(); ++g) {
+      const TileConfig& c = cfgs[g];
+      const Sm80Plan p = plan_sm80(c, arch);
+      const Verdict pv = check_problem_sm80(c, ns[g], ks[g], es[g]);
+      const int64_t r = static_cast<int64_t>(std::ceil(rows[g]));
+      const WorkEstimate w = work_estimate(GemmProblem::uniform(es[g], r, ns[g], ks[g]), c.bn, c.bt, arch.num_sms,
+                                           p.occ.ctas_per_sm);
+      fmt::print("{} N = {}, K = {}, {} expert{}, ~{:.2f} rows each: {}\n", names[g], ns[g], ks[g], es[g],
+                 es[g] == 1 ? "" : "s", rows[g], c.name());
+      fmt::print("  from: {}\n  why: {}\n", why[g].source, why[g].reason);
+      fmt::print("  fits: {} B of {} B shared memory, {} CTAs/SM ({} limits), {:.2f} waves on {} SMs\n",
+                 with_commas(static_cast<int64_t>(p.smem.total_bytes)),
+                 with_commas(static_cast<int64_t>(arch.smem_optin_per_block)), p.occ.ctas_per_sm, p.occ.limiter,
+                 w.waves, arch.num_sms);
       if (!p.verdict.valid || !pv.valid)
         fmt::print("  warning: the pick is not valid here: {}\n", !p.verdict.valid ? p.verdict.reason : pv.reason);
     }
@@ -152,8 +167,8 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
 
 int explain_cutlass(const ExplainArgs& a, const ArchInfo& arch) {
   if (arch.cc_major != 12)
-    fmt::print("note: {} models CUTLASS's sm_120 kernel; shared-memory capacity taken from {} ({} B)\n",
-               kFamilyCutlassSm120, arch.name, with_commas(arch.smem_optin_per_block));
+    fmt::print("note: {} is CUTLASS's sm_120 kernel; shared-memory capacity taken from {} ({} B)\n",
+               kFamilyCutlassSm120, arch.name, with_commas(static_cast<int64_t>(arch.smem_optin_per_block)));
   std::vector<CutlassTile> tiles;
   if (!a.tile.empty()) {
     int t[3];
@@ -162,26 +177,34 @@ int explain_cutlass(const ExplainArgs& a, const ArchInfo& arch) {
   } else {
     tiles = {{128, 128, 128}, {128, 128, 256}, {128, 256, 128}, {256, 128, 128}};
   }
+  CutlassSm120Options o;
+  o.stages = a.stages;
+  if (a.carveout >= 0) o.carveout = static_cast<size_t>(a.carveout);
+  if (a.schedule == "pingpong") o.schedule = CutlassSchedule::kPingpong;
+  else if (a.schedule != "cooperative" && a.schedule != "auto")
+    FP4MOE_FAIL("--schedule '{}' must be auto, cooperative or pingpong", a.schedule);
+  o.epilogue.has_c = !a.no_source;
+  o.epilogue.column_major = !a.row_major;
+  o.capacity = arch.smem_optin_per_block;
+  fmt::print("CUTLASS 4.2 sm_120 block-scaled NVFP4 grouped GEMM as TensorRT-LLM's MoE launcher builds it "
+             "({} schedule, TMA epilogue, bf16 D{}, {}-major); arithmetic proven against the compiled CUTLASS "
+             "types by tests/cutlass/\n\n",
+             o.schedule == CutlassSchedule::kPingpong ? "pingpong" : "cooperative",
+             o.epilogue.has_c ? " and C" : ", no C", o.epilogue.column_major ? "column" : "row");
   int rc = 0;
   for (const CutlassTile& t : tiles) {
-    std::optional<CutlassEpilogueModel> epi;
-    if (a.epilogue_bytes >= 0) {
-      CutlassEpilogueModel e = cutlass_default_epilogue(t);
-      e.tensor_bytes = e.carveout_bytes = static_cast<size_t>(a.epilogue_bytes);
-      e.description = fmt::format("--epilogue-bytes {}", a.epilogue_bytes);
-      epi = e;
-    }
-    const CutlassSm120Plan p = plan_cutlass_sm120(t, a.stages, epi, arch.smem_optin_per_block);
+    const CutlassSm120Plan p = plan_cutlass_sm120(t, o);
     fmt::print("kernel {} tile {}x{}x{} (M x N x K), {} stages{}:\n", kFamilyCutlassSm120, t.m, t.n, t.k, p.stages,
-               a.stages > 0 ? " (--stages)" : " (StageCountAutoCarveout, CUTLASS 4.2-era accounting)");
+               a.stages > 0 ? " (--stages: StageCount)"
+                            : fmt::format(" (StageCountAutoCarveout<{}>)", p.carveout));
     print_lines(p.lines);
-    if (p.verdict.valid) {
-      fmt::print("verdict: fits ({} B spare); {} stages would fit with the real accounting\n",
-                 with_commas(-p.over_by), p.max_stages_that_fit);
-    } else {
+    if (p.verdict.valid)
+      fmt::print("verdict: fits ({} B spare)\n", with_commas(-p.over_by));
+    else
       fmt::print("verdict: NOT valid on {}: {}\n", arch.name, p.verdict.reason);
-      rc = 2;
-    }
+    fmt::print("largest stage count that fits: {}\n", p.max_stages_that_fit);
+    fmt::print("fix: {}\n", p.fix);
+    if (!p.verdict.valid) rc = 2;
     if (tiles.size() > 1) fmt::print("\n");
   }
   return tiles.size() > 1 ? 0 : rc;
@@ -193,20 +216,27 @@ void register_explain(CLI::App& app) {
   auto args = std::make_shared<ExplainArgs>();
   CLI::App* cmd = app.add_subcommand(
       "explain", "Shared memory, registers, occupancy, waves and the verdict for a tile config on an architecture");
-  cmd->add_option("--arch", args->arch, "sm_80|86|89|90|100|103|120|121 (default: the present GPU, else sm_90)");
+  cmd->add_option("--arch", args->arch,
+                  "sm_80|86|89|90|100|103|120|121 (default: the present GPU, else sm_90; cutlass: sm_120)");
   cmd->add_option("--kernel", args->kernel, "sm80-nvfp4-grouped (default) | cutlass-sm120-nvfp4-grouped");
   cmd->add_option("--tile", args->tile,
                   "sm80-nvfp4-grouped: BNxBTxBK (features x tokens x K); cutlass: MxNxK. Without it: every config");
-  cmd->add_option("--stages", args->stages, "pipeline stages (default: the instantiated config's / CUTLASS auto)");
+  cmd->add_option("--stages", args->stages, "pipeline stages (default: the instantiated config's; cutlass: StageCountAutoCarveout)");
   cmd->add_option("--warps", args->warps, "math warps (sm80-nvfp4-grouped)");
   cmd->add_flag("--wgmma", args->wgmma, "sm80-nvfp4-grouped: the wgmma (sm_90a) variant of the tile");
   cmd->add_option("--model", args->model, "model preset for the problem (glm-5, deepseek-v3, ...)");
   cmd->add_option("--tokens", args->tokens, "tokens T of the problem (rows per expert = T * top_k / E)");
   cmd->add_option("--sms", args->sms, "number of SMs (default: the device's, else the table's product)");
-  cmd->add_option("--epilogue-bytes", args->epilogue_bytes,
-                  "cutlass: the epilogue's shared memory (carveout and kernel share), replacing the model");
+  cmd->add_option("--carveout", args->carveout,
+                  "cutlass: bytes passed to StageCountAutoCarveout (default: the epilogue's SharedStorage)");
+  cmd->add_option("--schedule", args->schedule, "cutlass: auto (= cooperative) | cooperative | pingpong");
+  cmd->add_flag("--no-source", args->no_source, "cutlass: ElementC = void (no C operand)");
+  cmd->add_flag("--row-major", args->row_major, "cutlass: row-major C/D (TensorRT-LLM's are column-major)");
   cmd->callback([args]() {
-    ArchInfo arch = args->arch.empty() ? default_arch() : arch_from_name(args->arch);
+    // CUTLASS's sm_120 kernel is explained for sm_120 unless another arch is asked for.
+    ArchInfo arch = !args->arch.empty()                     ? arch_from_name(args->arch)
+                    : args->kernel == kFamilyCutlassSm120 ? arch_from_name("sm_120")
+                                                          : default_arch();
     if (args->sms > 0) arch.num_sms = args->sms, arch.sms_source = "--sms";
     print_arch(arch);
     int rc = 0;

@@ -1,9 +1,11 @@
-// `fp4moe run`: one MoE layer on synthetic weights and inputs, with a checksum of the output.
-// Today it runs the CPU reference (include/fp4moe/reference.hpp); the GPU path is added later.
+// `fp4moe run`: one MoE layer on synthetic weights and inputs, with a checksum of the output. With a
+// GPU it runs fp4moe::MoeLayer (and, with --check, the CPU reference on the same data to compare);
+// without one, or with --cpu, the CPU reference (include/fp4moe/reference.hpp).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <ctime>
+#include <unistd.h>
 #include <optional>
 #include <thread>
 #include <string>
@@ -90,9 +92,11 @@ std::vector<float> run_gpu(const MoeConfig& cfg, const RunArgs& a, double* forwa
   FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   SyntheticDeviceLayer syn = make_synthetic_layer_device(cfg, a.seed, s);
   MoeLayer layer(cfg, syn.weights, a.tokens, s);
-  DeviceBuffer<uint8_t> ws(layer.workspace_bytes());
-  DeviceBuffer<uint16_t> hidden(a.tokens * cfg.hidden), out(a.tokens * cfg.hidden);
-  DeviceBuffer<float> logits(a.tokens * cfg.num_experts);
+  const std::string ws_what = fmt::format("the layer workspace of --tokens {} (MoeLayer::workspace_bytes())", a.tokens);
+  DeviceBuffer<uint8_t> ws(layer.workspace_bytes(), ws_what.c_str());
+  DeviceBuffer<uint16_t> hidden(a.tokens * cfg.hidden, "the input activations"),
+      out(a.tokens * cfg.hidden, "the layer output");
+  DeviceBuffer<float> logits(a.tokens * cfg.num_experts, "the router logits");
   make_synthetic_hidden_device(cfg, a.seed, a.tokens, hidden.get(), s);
   make_synthetic_router_logits_device(cfg, a.seed, a.tokens, logits.get(), s);
   cudaEvent_t e0, e1;
@@ -168,6 +172,17 @@ void run(const RunArgs& a) {
              opts.round_intermediates ? "GPU rounding points (bf16 activations and outputs)"
                                       : "pure float path (no bf16 rounding)");
 
+  {
+    // Inputs, logits and the output in float, before anything is allocated: a clear error instead of
+    // std::bad_alloc.
+    const double need = static_cast<double>(t_count) * static_cast<double>(2 * cfg.hidden + cfg.num_experts) * 4.0;
+    const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+    FP4MOE_REQUIRE(have <= 0 || need <= have,
+                   "--tokens {}: the CPU reference needs at least {} of host memory (activations, router logits "
+                   "and output in float), and this machine has {} in total",
+                   t_count, bytes_for_humans(static_cast<size_t>(std::min(need, 1.8e19))),
+                   bytes_for_humans(static_cast<size_t>(have)));
+  }
   const auto t_start = clock::now();
   const std::clock_t cpu_start = std::clock();
   const std::vector<float> hidden = make_synthetic_hidden(cfg, a.seed, t_count);

@@ -1,4 +1,4 @@
-// MoE layer configuration and the model presets (../shared/notes/models.md).
+// MoE layer configuration and the model presets (docs/models.md).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -26,7 +26,7 @@ struct MoeConfig {
   int64_t intermediate = 0;  // I (moe_intermediate_size)
   int num_experts = 0;       // E (routed)
   int top_k = 0;
-  int num_shared = 0;        // shared experts (each of width I * num_shared ... see models.md)
+  int num_shared = 0;        // shared experts (each of width I * num_shared ... see docs/models.md)
   RouterKind router = RouterKind::kSoftmaxTopK;
   bool renormalize = true;
   int n_group = 1;

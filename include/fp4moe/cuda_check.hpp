@@ -1,5 +1,8 @@
 // Every CUDA runtime / cuBLAS call goes through these: the error names the call, where, and why.
 #pragma once
+#include <cstddef>
+#include <string>
+
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -28,6 +31,16 @@
   } while (0)
 
 namespace fp4moe {
+// cudaMalloc of `bytes` for `what` (a phrase: "the layer workspace"). On failure throws fp4moe::Error
+// saying how many bytes were requested, for what, and how much the device has free and in total
+// (cudaMemGetInfo), not only the CUDA error name. bytes = 0 returns nullptr.
+void* device_malloc(size_t bytes, const char* what);
+// The message device_malloc throws (separate so that tests can check it without a GPU).
+std::string device_malloc_failure_message(size_t bytes, const char* what, cudaError_t err, int device,
+                                          const char* device_name, size_t free_bytes, size_t total_bytes);
+// "1,234,567,890 B (1.15 GiB)"
+std::string bytes_for_humans(size_t bytes);
+
 // True when a CUDA device is usable. Never throws: used to decide CPU reference vs GPU and to skip
 // GPU tests.
 bool gpu_available();

@@ -1,6 +1,7 @@
 // Owning device allocation (RAII, move-only). Host-side helper for tests, benchmarks and layers.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -12,8 +13,11 @@ template <typename T>
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t count) : count_(count) {
-    if (count_ > 0) FP4MOE_CUDA_CHECK(cudaMalloc(&ptr_, count_ * sizeof(T)));
+  // `what` names the buffer in the out-of-memory message ("the layer workspace").
+  explicit DeviceBuffer(size_t count, const char* what = "a device buffer") : count_(count) {
+    FP4MOE_REQUIRE(count_ <= SIZE_MAX / sizeof(T), "{}: {} elements of {} bytes overflow size_t", what, count_,
+                   sizeof(T));
+    ptr_ = static_cast<T*>(device_malloc(count_ * sizeof(T), what));
   }
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
   ~DeviceBuffer() {

@@ -1,5 +1,5 @@
-// Errors: every failed check throws fp4moe::Error with the file, line and a sentence that names the
-// argument, its value and the rule it broke. Never a bare status code.
+// Errors: every failed check throws fp4moe::Error with a sentence that names the argument, its value
+// and the rule it broke, then the repository-relative file and line. Never a bare status code.
 #pragma once
 #include <stdexcept>
 #include <string>
@@ -27,8 +27,20 @@ class ResourceError : public Error {
   using Error::Error;
 };
 
+// The source location shown in messages. fp4moe's own files are compiled with -ffile-prefix-map, so
+// __FILE__ is already repository-relative ("src/presets.cpp"); a path that is still absolute (a
+// caller's file, or a build without the flag) is cut to its file name, so that no message carries
+// the build machine's directories.
+constexpr const char* source_location_for_users(const char* file) {
+  if (file == nullptr || file[0] != '/') return file;
+  const char* base = file;
+  for (const char* p = file; *p != '\0'; ++p)
+    if (*p == '/') base = p + 1;
+  return base;
+}
+
 [[noreturn]] inline void throw_error(const char* file, int line, const std::string& msg) {
-  throw Error(fmt::format("fp4moe: {} ({}:{})", msg, file, line));
+  throw Error(fmt::format("fp4moe: {} ({}:{})", msg, source_location_for_users(file), line));
 }
 
 }  // namespace fp4moe

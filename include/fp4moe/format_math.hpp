@@ -1,7 +1,7 @@
 // The NVFP4 / MXFP4 element and scale arithmetic, written once for host and device.
 // Every quantizer in fp4moe (CPU reference, GPU kernel, synthetic-weight generator) calls these, so a
 // host result and a device result are bit-identical by construction; tests check it anyway.
-// Facts: ../shared/notes/nvfp4-format.md (E2M1 {0,.5,1,1.5,2,3,4,6}; ModelOpt scale recipe; OCP MX).
+// Facts: docs/format.md (E2M1 {0,.5,1,1.5,2,3,4,6}; ModelOpt scale recipe; OCP MX).
 #pragma once
 #include <cstdint>
 #include <cstring>

@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "fp4moe/config.hpp"
+#include "fp4moe/arch.hpp"
 #include "fp4moe/tile_config.hpp"
 
 namespace fp4moe {
@@ -75,8 +76,11 @@ cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpi
 int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue, int64_t k = 64);
 
 // The configuration the heuristic picks for a problem (rows_per_expert = expected rows of an active
-// expert, e.g. T * top_k / E).
-TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, int num_sms);
+// expert, e.g. T * top_k / E) on an architecture (arch_from_device, or arch_from_name for a GPU that
+// is not present): always a config the planner calls valid there. Throws when none is. `why`, if
+// given, receives the rule that picked it (and what it replaced when Hopper's pick cannot run here).
+TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, const ArchInfo& arch,
+                                 std::string* why = nullptr);
 
 // ---- Offline repack: on-disk (ModelOpt) layout -> kernel layout ----
 // codes: [n, k/2] bytes, element 2i in the low nibble; scales: [n, k/16] E4M3, row-major.

@@ -17,11 +17,14 @@
 
 #include <cuda_runtime.h>
 
+#include "fp4moe/arch.hpp"
 #include "fp4moe/config.hpp"
 #include "fp4moe/device_buffer.hpp"
 #include "fp4moe/tile_config.hpp"
 
 namespace fp4moe {
+
+struct TuneLookup;  // tuner.hpp
 
 // DEVICE pointers, on-disk (ModelOpt) layout, all experts stacked. I = cfg.intermediate,
 // Is = I * cfg.num_shared (the shared expert is one expert of width Is).
@@ -68,7 +71,7 @@ enum class MoeStage : int { kRouting = 0, kPermute, kGemm1, kGemm2, kCombine };
 inline constexpr int kNumMoeStages = 5;
 
 // Tile configs of the four grouped GEMM calls; an empty one is chosen per call by
-// heuristic_tile_config(n, k, rows per active expert, number of SMs).
+// moe_layer_tile_configs (a tuner table of the GPU, else heuristic_tile_config).
 struct MoeTileConfigs {
   std::optional<TileConfig> gemm1, gemm2, shared_gemm1, shared_gemm2;
 };
@@ -118,6 +121,14 @@ void validate_moe_layer_weights(const MoeConfig& cfg, const MoeLayerWeights& w);
 // bf16_shared: the layer's shared expert is bf16 (MoeLayerWeights::shared_w13_bf16).
 MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens, bool router_gemm,
                                         bool bf16_shared = false);
+// The tile configs the layer picks at T tokens on an architecture: choose_config (tuner.hpp: a tuner
+// table when `arch` is the present GPU, else heuristic_tile_config) for GEMM1, GEMM2 and the shared
+// expert's two GEMMs. MoeLayer calls it with arch_from_device(device) for T = 1, 2, 4 ... max_tokens.
+// Every pick is planner-valid on `arch`. With an arch from the table (arch_from_name) it needs no GPU,
+// which is how tests and `fp4moe explain --arch` see another GPU's choice. `why`, if given, receives
+// the four lookups (GEMM1, GEMM2, shared GEMM1, shared GEMM2; the last two only with a shared expert).
+MoeResolvedTileConfigs moe_layer_tile_configs(const MoeConfig& cfg, int64_t tokens, const ArchInfo& arch,
+                                              std::vector<TuneLookup>* why = nullptr);
 // The permutation works on chunks of this many (token, slot) entries, one block each.
 inline constexpr int kMoePermuteChunk = 2048;
 int64_t moe_permute_chunks(int64_t n);  // ceil(n / kMoePermuteChunk)

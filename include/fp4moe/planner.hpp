@@ -6,9 +6,10 @@
 // Families:
 //  "sm80-nvfp4-grouped"          this library's kernel (kGemmConfigs); the planner recounts every buffer
 //                                of gemm_smem_layout from first principles (a test asserts equality).
-//  "cutlass-sm120-nvfp4-grouped" CUTLASS's sm_120 block-scaled NVFP4 ptr-array grouped GEMM, modelled
-//                                from its public sources (see src/planner.cpp), to show what its
-//                                StageCountAutoCarveout picks and what the kernel really needs.
+//  "cutlass-sm120-nvfp4-grouped" CUTLASS 4.2's sm_120 block-scaled NVFP4 ptr-array grouped GEMM as
+//                                TensorRT-LLM instantiates it: what StageCountAutoCarveout picks and what
+//                                the kernel needs (cutlass_sm120_model.hpp; tests/cutlass/ proves it
+//                                against the compiled CUTLASS types).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "fp4moe/arch.hpp"
+#include "fp4moe/cutlass_sm120_model.hpp"
 #include "fp4moe/tile_config.hpp"
 
 namespace fp4moe {
@@ -122,47 +124,39 @@ Verdict check_problem_sm80(const TileConfig& cfg, int64_t n, int64_t k, int expe
 std::vector<TileConfig> valid_sm80_configs(const ArchInfo& arch);
 
 // ---- cutlass-sm120-nvfp4-grouped ----
+// CUTLASS 4.2's kernel as TensorRT-LLM's MoE launcher instantiates it (cutlass_sm120_model.hpp); the
+// arithmetic is proven equal to the compiled CUTLASS types by tests/cutlass/.
 
-struct CutlassTile {
-  int m = 128, n = 128, k = 128;
+struct CutlassSm120Options {
+  int stages = 0;                        // 0: StageCountAutoCarveout; else StageCount<stages>
+  std::optional<size_t> carveout;        // passed to StageCountAutoCarveout; default: the epilogue's
+                                         // SharedStorage, as TensorRT-LLM passes it
+  CutlassSchedule schedule = CutlassSchedule::kCooperative;  // KernelScheduleAuto = cooperative
+  CutlassEpilogueSpec epilogue{};
+  size_t capacity = kCutlassSm120SmemCapacity;  // the arch's opt-in bytes per block
 };
-
-// The epilogue's share (bytes), which the kernel user passes to StageCountAutoCarveout as
-// sizeof(CollectiveEpilogue::SharedStorage) and which the kernel's SharedStorage also contains.
-struct CutlassEpilogueModel {
-  size_t tensor_bytes = 0;     // the epilogue's TensorStorage inside the kernel's tensors
-  size_t carveout_bytes = 0;   // what StageCountAutoCarveout subtracts
-  int tensormaps = 2;          // TMA descriptors of the epilogue (C and D)
-  std::string description;
-};
-// TMA-store epilogue, bf16 D, no C source, EpilogueTileAuto for the cooperative schedule (128 x 32),
-// 2 D stages: 2 * 128 * 32 * 2 B = 16,384 B; carveout = that + its load-pipeline barriers (16 B).
-CutlassEpilogueModel cutlass_default_epilogue(const CutlassTile& t);
 
 struct CutlassSm120Plan {
   CutlassTile tile;
-  size_t capacity = 101376;     // sm120_smem_capacity_bytes
-  size_t a_stage = 0, b_stage = 0, sfa_stage = 0, sfb_stage = 0, barrier_stage = 0, per_stage = 0;
-  int auto_stages = 0;          // what the 4.2-era StageCountAutoCarveout picks
-  int stages = 0;               // used (auto or the override)
-  // the kernel's real SharedStorage with those stages:
-  size_t mainloop_tensors = 0;  // A, B (1024-aligned), SFA, SFB (16-aligned), struct-aligned
-  size_t tensors = 0;           // mainloop + epilogue tensors, 1024-aligned
-  size_t pipelines = 0;         // scheduler, mainloop, epilogue-load pipelines + load-order barrier
-  size_t scheduler_responses = 0;
-  size_t tensormaps = 0;
-  size_t footprint = 0;         // sizeof(SharedStorage), rounded to its 1024-byte alignment
-  size_t ignored_by_auto = 0;   // footprint - (stages * per_stage + carveout)
-  int64_t over_by = 0;          // footprint - capacity (> 0: launch fails)
-  int max_stages_that_fit = 0;  // with the real accounting
-  CutlassEpilogueModel epilogue;
+  CutlassSm120Options options;
+  size_t capacity = kCutlassSm120SmemCapacity;
+  size_t carveout = 0;
+  CutlassEpilogueLayout epilogue;
+  CutlassMainloopLayout mainloop;   // for `stages`
+  CutlassKernelLayout kernel;       // for `stages`
+  int auto_stages = 0;              // what StageCountAutoCarveout<carveout> picks
+  int stages = 0;                   // used (auto or the override)
+  size_t counted_by_auto = 0;       // stages * per-stage bytes + carveout: what the auto count budgets
+  int64_t ignored_by_auto = 0;      // footprint - counted_by_auto (alignment, tensor maps, scheduler)
+  int64_t over_by = 0;              // footprint - capacity (> 0: cudaFuncSetAttribute fails at launch)
+  int max_stages_that_fit = 0;      // with the real accounting
+  // The largest auto carveout that still makes StageCountAutoCarveout pick max_stages_that_fit.
+  size_t carveout_for_max_stages = 0;
+  std::string fix;                  // one line: what to pass so the kernel fits (or that none is needed)
   std::vector<SmemLine> lines;
   Verdict verdict;
 };
-// stages_override = 0: the 4.2-era automatic count. capacity: the arch's opt-in bytes.
-CutlassSm120Plan plan_cutlass_sm120(const CutlassTile& t, int stages_override = 0,
-                                    std::optional<CutlassEpilogueModel> epilogue = std::nullopt,
-                                    size_t capacity = 101376);
+CutlassSm120Plan plan_cutlass_sm120(const CutlassTile& t, const CutlassSm120Options& options = {});
 
 // "12,345" (thousands separators, for explain's lines).
 std::string with_commas(int64_t v);

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "fp4moe/arch.hpp"
 #include "fp4moe/grouped_gemm.hpp"
 #include "fp4moe/tile_config.hpp"
 
@@ -26,23 +27,43 @@ struct TuneProblem {
   std::string key() const;       // "E256_N4096_K6144_nvfp4_bf16_swiglu"
 };
 
-// What makes a cache entry valid for this process: GPU, compute capability, CUDA runtime and driver
-// versions, fp4moe version.
+// The identity of this build's config list: "<count>:<FNV-1a 64 of the config names, in order>". A
+// table measured over another list still serves (its picks were the best it measured), with a note.
+std::string gemm_config_list_id();
+
+// A table is keyed by what decides the best config, as vLLM's per-device JSON configs are: the GPU
+// model, its compute capability and SM count (waves), and the config list it measured. Driver, CUDA
+// runtime and fp4moe versions are provenance: recorded, reported when they differ, never a reason to
+// ignore a table (the shipped H200 tables serve any H200 install). Format: tune/README.md.
 struct TuneKey {
-  std::string gpu;
+  std::string gpu;               // "NVIDIA H200" (cudaDeviceProp::name)
   std::string cc;                // "9.0"
+  int sms = 0;                   // multiprocessors; 0 in a table: not recorded (fp4moe-tune/1)
+  std::string config_list = gemm_config_list_id();  // the build's kGemmConfigs ("" in a table: unknown)
+  // provenance
   int cuda_runtime = 0;
   int cuda_driver = 0;
   std::string fp4moe_version = FP4MOE_VERSION;
-  nlohmann::json to_json() const;
+  nlohmann::json key_json() const;         // {"gpu", "cc", "sms", "config_list"}
+  nlohmann::json provenance_json() const;  // {"cuda_runtime", "cuda_driver", "fp4moe_version"}
   bool operator==(const TuneKey&) const = default;
 };
 TuneKey current_tune_key(int device = 0);  // needs a GPU
 
+// Reads a table's key and provenance (fp4moe-tune/2, or the older fp4moe-tune/1 whose key held the
+// versions and no SM count or config list). Throws fp4moe::Error on another format or shape.
+TuneKey tune_key_from_json(const nlohmann::json& doc);
+
+// How a table relates to the running process: "" when it may be used, else why not (another GPU, cc
+// or SM count); `notes` receives what differs but does not stop its use (config list, provenance).
+std::string tune_key_mismatch(const TuneKey& table, const TuneKey& process, std::vector<std::string>* notes);
+
 struct TuneLookup {
   std::optional<TileConfig> config;
-  std::string source;    // "tuned cache <path>" or "heuristic"
-  std::string reason;    // why (bucket chosen, or why the cache was not used)
+  std::string source;    // "tuned table <path>" or "heuristic"
+  std::string reason;    // why (bucket chosen, or why no table was used), with the notes
+  std::string table;     // the table used ("" for the heuristic)
+  std::vector<std::string> notes;  // how the table's provenance and config list differ; skipped configs
   int64_t bucket = -1;
 };
 
@@ -52,17 +73,21 @@ struct TuneLookup {
 std::string tune_cache_path();
 
 // Looks the problem up in `path` (a JSON file, or a directory whose *.json files are tried in order)
-// for `key`. The bucket used is the largest tuned bucket <= tokens, else the smallest. Never throws:
-// a missing, stale (key mismatch) or corrupt cache gives no config and a reason; with warn = true the
-// reason is also printed on stderr, once per distinct message per process.
+// for `key`. Among the tables of this GPU (tune_key_mismatch() == ""), one measured over this build's
+// config list is preferred. The bucket used is the largest tuned bucket <= tokens, else the smallest;
+// when the bucket's best config is not in this build, the fastest measured config that is takes its
+// place (with a note). Never throws: a missing, foreign or corrupt table gives no config and a reason;
+// with warn = true the reason is also printed on stderr, once per distinct message per process.
 TuneLookup lookup_tuned_config(const TuneProblem& problem, int64_t tokens, const TuneKey& key,
                                const std::string& path, bool warn = true);
 
 // The API: tuned config for the present GPU from tune_cache_path(), or nullopt (caller falls back to
 // heuristic_tile_config). Never throws.
 std::optional<TileConfig> tuned_config(const TuneProblem& problem, int64_t tokens);
-// The same with the explanation (explain prints it); falls back to heuristic_tile_config.
-TuneLookup choose_config(const TuneProblem& problem, int64_t tokens, int num_sms);
+// The config for a problem on an architecture, with the explanation (explain and bench print it): a
+// tuner table when `arch` is the present GPU (arch_from_device) and a table serves it, else
+// heuristic_tile_config. Always planner-valid on `arch`.
+TuneLookup choose_config(const TuneProblem& problem, int64_t tokens, const ArchInfo& arch);
 
 // ---- running the tuner (needs a GPU) ----
 struct TuneOptions {
@@ -76,8 +101,9 @@ struct TuneOptions {
 // (format in tune/README.md). Problems must satisfy check_problem_sm80 for at least one config.
 nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOptions& opt, int device = 0);
 
-// Merges `entries` of a new tuner run into an existing cache JSON of the same key (replacing equal
-// problem keys); returns the new document. A different key replaces the document.
+// Merges `entries` of a new tuner run into an existing table JSON of the same key (replacing equal
+// problem keys; the provenance becomes the new run's); returns the new document. A different key or
+// format replaces the document.
 nlohmann::json merge_tune_cache(const nlohmann::json& existing, const nlohmann::json& fresh);
 
 std::string epilogue_name(GemmEpilogue e);

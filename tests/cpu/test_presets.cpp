@@ -1,4 +1,4 @@
-// Presets against ../shared/notes/models.md, and MoeConfig::validate()'s rules.
+// Presets against docs/models.md, and MoeConfig::validate()'s rules.
 #include <string>
 #include <vector>
 
@@ -20,7 +20,7 @@ struct Row {
   Activation act;
 };
 
-// Transcribed from the models.md table.
+// Transcribed from the docs/models.md table.
 const Row kTable[] = {
     {"glm-5", 6144, 2048, 256, 8, 1, RouterKind::kSigmoidGrouped, 1, 1, 2.5f, Activation::kSwiGLU},
     {"glm-4.6", 5120, 1536, 160, 8, 1, RouterKind::kSigmoidGrouped, 1, 1, 2.5f, Activation::kSwiGLU},

@@ -1,7 +1,7 @@
 // sm80-nvfp4-grouped: grouped (per-expert) GEMM, bf16 activations x NVFP4 weights, FP32 accumulate.
 // Device code only; the host launcher is src/sm80_nvfp4_grouped_gemm.cu.
 //
-// Design (../shared/notes/sm90-kernel-design.md):
+// Design (docs/kernel-design.md):
 // - Swap AB: weights are mma's A operand (features = M, 16 per m-tile), activations are B (tokens = N,
 //   8 per n-tile), so a decode-sized expert (a few tokens) costs a few narrow n-tiles, not a padded
 //   64-row tile. MMA = 0 configs use mma.sync.m16n8k16 (sm_80 and newer: the decode tiles); MMA = 1
@@ -387,6 +387,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   // and no drain (wait_group<0>) is needed at the barrier.
   constexpr int kAhead = MMA == 1 ? STAGES - 2 : STAGES - 1;
   static_assert(kAhead >= 1, "wgmma configs need at least 3 stages");
+#pragma unroll
   for (int s = 0; s < kAhead; ++s) {
     if (s < total_iters) issue_load();
     cp_async_commit();

@@ -1,0 +1,303 @@
+// Tuner tables: keyed by GPU, compute capability, SM count and config list; driver, runtime and
+// fp4moe versions are provenance (reported, never a reason to skip); configs missing from the build are
+// skipped with a note; the older fp4moe-tune/1 format is still read; the shipped H200 tables serve an
+// H200 whatever its driver and runtime (CPU only).
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "fp4moe/error.hpp"
+#include "fp4moe/tile_config.hpp"
+#include "fp4moe/tuner.hpp"
+
+namespace fp4moe {
+namespace {
+
+bool has_note(const TuneLookup& l, const std::string& text) {
+  for (const auto& n : l.notes)
+    if (n.find(text) != std::string::npos) return true;
+  return false;
+}
+
+class TuneTables : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() /
+           ("fp4moe_tune_test_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::create_directories(dir_);
+    key_.gpu = "Test GPU";
+    key_.cc = "9.0";
+    key_.sms = 132;
+    key_.cuda_runtime = 13000;
+    key_.cuda_driver = 13000;
+    problem_.experts = 256;
+    problem_.top_k = 8;
+    problem_.n = 4096;
+    problem_.k = 6144;
+    problem_.epilogue = GemmEpilogue::kSwiGLU;
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string write(const std::string& name, const std::string& text) {
+    const auto p = dir_ / name;
+    std::ofstream(p) << text;
+    return p.string();
+  }
+  // Buckets 1, 32, 512 whose winners are kGemmConfigs[0], [1], [2]; each bucket also times [3] and [4].
+  nlohmann::json valid_doc(const TuneKey& key) {
+    nlohmann::json doc;
+    doc["format"] = "fp4moe-tune/2";
+    doc["key"] = key.key_json();
+    doc["provenance"] = key.provenance_json();
+    nlohmann::json entry;
+    entry["problem_key"] = problem_.key();
+    entry["buckets"] = nlohmann::json::array();
+    const TileConfig picks[] = {kGemmConfigs[0], kGemmConfigs[1], kGemmConfigs[2]};
+    const int64_t tokens[] = {1, 32, 512};
+    for (int i = 0; i < 3; ++i) {
+      nlohmann::json timings = nlohmann::json::array();
+      timings.push_back({{"config", picks[i].name()}, {"cfg", tile_config_to_json(picks[i])}, {"median_us", 10.0}});
+      timings.push_back({{"config", kGemmConfigs[4].name()}, {"cfg", tile_config_to_json(kGemmConfigs[4])},
+                         {"median_us", 12.0}});
+      timings.push_back({{"config", kGemmConfigs[3].name()}, {"cfg", tile_config_to_json(kGemmConfigs[3])},
+                         {"median_us", 11.0}});
+      entry["buckets"].push_back({{"tokens", tokens[i]}, {"best", tile_config_to_json(picks[i])}, {"timings", timings}});
+    }
+    doc["entries"] = nlohmann::json::array({entry});
+    return doc;
+  }
+  std::filesystem::path dir_;
+  TuneKey key_;
+  TuneProblem problem_;
+};
+
+TEST_F(TuneTables, ConfigListIdNamesTheBuildsList) {
+  const std::string id = gemm_config_list_id();
+  EXPECT_EQ(id.rfind(std::to_string(kNumGemmConfigs) + ":", 0), 0u) << id;
+  EXPECT_EQ(id.size(), std::to_string(kNumGemmConfigs).size() + 1 + 16) << id;
+  EXPECT_EQ(TuneKey{}.config_list, id);
+}
+
+TEST_F(TuneTables, ValidTableGivesTheTunedConfigPerBucket) {
+  const std::string path = write("t.json", valid_doc(key_).dump());
+  const TuneLookup l = lookup_tuned_config(problem_, 100, key_, path);
+  ASSERT_TRUE(l.config.has_value()) << l.reason;
+  EXPECT_EQ(*l.config, kGemmConfigs[1]);  // largest bucket <= 100 is 32
+  EXPECT_EQ(l.bucket, 32);
+  EXPECT_EQ(l.table, path);
+  EXPECT_EQ(l.source, "tuned table " + path);
+  EXPECT_TRUE(l.notes.empty()) << l.reason;
+  EXPECT_EQ(*lookup_tuned_config(problem_, 4096, key_, path).config, kGemmConfigs[2]);
+  EXPECT_EQ(*lookup_tuned_config(problem_, 1, key_, path).config, kGemmConfigs[0]);
+  // Another problem is not in the table.
+  TuneProblem other = problem_;
+  other.k = 2048;
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(lookup_tuned_config(other, 32, key_, path).config.has_value());
+  testing::internal::GetCapturedStderr();
+}
+
+TEST_F(TuneTables, ProvenanceDiffersTheTableIsStillUsedAndSaysHow) {
+  TuneKey table = key_;
+  table.cuda_driver = 12080;
+  table.cuda_runtime = 12080;
+  table.fp4moe_version = "0.0.9";
+  const std::string path = write("older.json", valid_doc(table).dump());
+  const TuneLookup l = lookup_tuned_config(problem_, 32, key_, path);
+  ASSERT_TRUE(l.config.has_value()) << l.reason;
+  EXPECT_EQ(*l.config, kGemmConfigs[1]);
+  EXPECT_TRUE(has_note(l, "provenance differs")) << l.reason;
+  EXPECT_TRUE(has_note(l, "CUDA runtime 12080 (this process 13000)")) << l.reason;
+  EXPECT_TRUE(has_note(l, "driver 12080 (this process 13000)")) << l.reason;
+  EXPECT_TRUE(has_note(l, "fp4moe 0.0.9 (this process " FP4MOE_VERSION ")")) << l.reason;
+  EXPECT_NE(l.reason.find("provenance differs"), std::string::npos) << l.reason;
+}
+
+TEST_F(TuneTables, AnotherGpuCcOrSmCountIsNotUsed) {
+  struct Case {
+    TuneKey k;
+    const char* why;
+  } cases[] = {{key_, "measured on Other GPU"}, {key_, "cc 10.0"}, {key_, "measured on 114 SMs"}};
+  cases[0].k.gpu = "Other GPU";
+  cases[1].k.cc = "10.0";
+  cases[2].k.sms = 114;
+  for (const Case& c : cases) {
+    const std::string path = write("foreign.json", valid_doc(c.k).dump());
+    testing::internal::CaptureStderr();
+    const TuneLookup l = lookup_tuned_config(problem_, 32, key_, path);
+    testing::internal::GetCapturedStderr();
+    EXPECT_FALSE(l.config.has_value()) << c.why;
+    EXPECT_EQ(l.source, "heuristic");
+    EXPECT_NE(l.reason.find(c.why), std::string::npos) << l.reason;
+  }
+}
+
+TEST_F(TuneTables, AnotherConfigListServesWithANoteAndTheBuildsListIsPreferred) {
+  TuneKey older = key_;
+  older.config_list = "3:0123456789abcdef";
+  nlohmann::json old_doc = valid_doc(older);
+  old_doc["entries"][0]["buckets"][1]["best"] = tile_config_to_json(kGemmConfigs[3]);
+  const std::string old_path = write("a-older-list.json", old_doc.dump());
+  const TuneLookup l = lookup_tuned_config(problem_, 32, key_, old_path);
+  ASSERT_TRUE(l.config.has_value()) << l.reason;
+  EXPECT_EQ(*l.config, kGemmConfigs[3]);
+  EXPECT_TRUE(has_note(l, "measured over config list 3:0123456789abcdef")) << l.reason;
+  // In a directory, the table of this build's list wins although it sorts later.
+  write("b-this-list.json", valid_doc(key_).dump());
+  const TuneLookup d = lookup_tuned_config(problem_, 32, key_, dir_.string());
+  ASSERT_TRUE(d.config.has_value()) << d.reason;
+  EXPECT_EQ(*d.config, kGemmConfigs[1]);
+  EXPECT_NE(d.table.find("b-this-list.json"), std::string::npos) << d.table;
+}
+
+TEST_F(TuneTables, DirectoryOfTablesForManyGpus) {
+  TuneKey other = key_;
+  other.gpu = "Another GPU";
+  write("another.json", valid_doc(other).dump());
+  write("broken.json", "{\"format\": \"fp4moe-tune/2\", \"key\": {}, \"entries\": []}");
+  write("ours.json", valid_doc(key_).dump());
+  testing::internal::CaptureStderr();
+  const TuneLookup l = lookup_tuned_config(problem_, 40, key_, dir_.string());
+  testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(l.config.has_value()) << l.reason;
+  EXPECT_EQ(*l.config, kGemmConfigs[1]);
+  EXPECT_NE(l.table.find("ours.json"), std::string::npos);
+}
+
+TEST_F(TuneTables, ConfigNotInTheBuildIsSkippedForTheFastestMeasuredOneThatIs) {
+  nlohmann::json doc = valid_doc(key_);
+  const TileConfig gone{128, 48, 128, 3, 8};
+  doc["entries"][0]["buckets"][1]["best"] = tile_config_to_json(gone);
+  doc["entries"][0]["buckets"][1]["timings"][0] = {{"config", gone.name()}, {"cfg", tile_config_to_json(gone)},
+                                                   {"median_us", 9.0}};
+  const std::string path = write("uncompiled.json", doc.dump());
+  const TuneLookup l = lookup_tuned_config(problem_, 32, key_, path);
+  ASSERT_TRUE(l.config.has_value()) << l.reason;
+  EXPECT_EQ(*l.config, kGemmConfigs[3]);  // 11 us, faster than kGemmConfigs[4]'s 12 us
+  EXPECT_TRUE(has_note(l, "skipped " + gone.name() + " (not in this build)")) << l.reason;
+  // Nothing measured is in the build: no config from the table, a note, the heuristic.
+  doc["entries"][0]["buckets"][1]["timings"] = nlohmann::json::array(
+      {{{"config", gone.name()}, {"cfg", tile_config_to_json(gone)}, {"median_us", 9.0}}});
+  const std::string path2 = write("uncompiled2.json", doc.dump());
+  testing::internal::CaptureStderr();
+  const TuneLookup n = lookup_tuned_config(problem_, 32, key_, path2);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(n.config.has_value());
+  EXPECT_NE(n.reason.find("which this build does not contain"), std::string::npos) << n.reason;
+  EXPECT_NE(err.find("does not contain"), std::string::npos) << err;
+}
+
+TEST_F(TuneTables, FirstFormatIsStillRead) {
+  // fp4moe-tune/1 kept the versions in the key and recorded no SM count or config list.
+  nlohmann::json doc = valid_doc(key_);
+  doc["format"] = "fp4moe-tune/1";
+  doc["key"] = {{"gpu", key_.gpu}, {"cc", key_.cc}, {"cuda_runtime", 12080}, {"cuda_driver", 12080},
+                {"fp4moe_version", "0.0.1"}};
+  doc.erase("provenance");
+  const std::string path = write("v1.json", doc.dump());
+  const TuneLookup l = lookup_tuned_config(problem_, 32, key_, path);
+  ASSERT_TRUE(l.config.has_value()) << l.reason;
+  EXPECT_EQ(*l.config, kGemmConfigs[1]);
+  EXPECT_TRUE(has_note(l, "does not record its SM count")) << l.reason;
+  EXPECT_TRUE(has_note(l, "does not record its config list")) << l.reason;
+  EXPECT_TRUE(has_note(l, "driver 12080")) << l.reason;
+  const TuneKey k = tune_key_from_json(doc);
+  EXPECT_EQ(k.sms, 0);
+  EXPECT_EQ(k.cuda_driver, 12080);
+  nlohmann::json bad = doc;
+  bad["format"] = "fp4moe-tune/9";
+  EXPECT_THROW(tune_key_from_json(bad), Error);
+}
+
+TEST_F(TuneTables, CorruptJsonWarnsOnceAndFallsBack) {
+  const std::string path = write("bad.json", "{\"format\": \"fp4moe-tune/2\", \"key\": [1, 2");
+  testing::internal::CaptureStderr();
+  const TuneLookup a = lookup_tuned_config(problem_, 32, key_, path);
+  const TuneLookup b = lookup_tuned_config(problem_, 64, key_, path);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(a.config.has_value());
+  EXPECT_FALSE(b.config.has_value());
+  EXPECT_EQ(a.source, "heuristic");
+  EXPECT_NE(a.reason.find("corrupt"), std::string::npos) << a.reason;
+  EXPECT_NE(err.find("warning"), std::string::npos) << err;
+  EXPECT_EQ(err.find("warning"), err.rfind("warning")) << "warned more than once:\n" << err;
+  // Valid JSON of the wrong shape is corrupt too, not a crash.
+  nlohmann::json shape = valid_doc(key_);
+  shape["entries"] = nlohmann::json::array({{{"problem_key", 5}}});
+  const std::string sp = write("shape.json", shape.dump());
+  testing::internal::CaptureStderr();
+  EXPECT_FALSE(lookup_tuned_config(problem_, 32, key_, sp).config.has_value());
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("corrupt"), std::string::npos);
+}
+
+TEST_F(TuneTables, MissingTableFallsBack) {
+  testing::internal::CaptureStderr();
+  const TuneLookup l = lookup_tuned_config(problem_, 32, key_, (dir_ / "nope.json").string());
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(l.config.has_value());
+  EXPECT_NE(l.reason.find("does not exist"), std::string::npos) << l.reason;
+  EXPECT_NE(err.find("does not exist"), std::string::npos);
+}
+
+TEST_F(TuneTables, MergeReplacesSameProblemAndTakesTheNewProvenance) {
+  nlohmann::json a = valid_doc(key_);
+  TuneKey newer = key_;
+  newer.cuda_driver = 13020;
+  nlohmann::json b = valid_doc(newer);
+  b["entries"][0]["buckets"] = nlohmann::json::array({{{"tokens", 8}, {"best", tile_config_to_json(kGemmConfigs[3])}}});
+  const nlohmann::json m = merge_tune_cache(a, b);
+  ASSERT_EQ(m["entries"].size(), 1u);
+  EXPECT_EQ(m["entries"][0]["buckets"].size(), 1u);
+  EXPECT_EQ(m["provenance"]["cuda_driver"], 13020);
+  TuneKey other = key_;
+  other.gpu = "Other";
+  EXPECT_EQ(merge_tune_cache(valid_doc(other), b), b);
+}
+
+// The shipped tables (tune/) serve an H200 whatever its driver, runtime and fp4moe version.
+TEST(ShippedTuneTables, ServeAnyH200Install) {
+  const std::string dir = std::string(FP4MOE_TEST_SOURCE_DIR) + "/tune";
+  TuneKey h200;
+  h200.gpu = "NVIDIA H200";
+  h200.cc = "9.0";
+  h200.sms = 132;
+  h200.cuda_runtime = 13020;   // not what the tables were measured with
+  h200.cuda_driver = 13050;
+  h200.fp4moe_version = "9.9.9";
+  struct Want {
+    TuneProblem problem;
+    int64_t tokens;
+  } wants[] = {{{256, 8, 4096, 6144, GemmEpilogue::kSwiGLU}, 1},
+               {{256, 8, 6144, 2048, GemmEpilogue::kPlain}, 1024},
+               {{128, 4, 5760, 2880, GemmEpilogue::kGptOssSwiGLU}, 32},
+               {{128, 4, 2880, 2880, GemmEpilogue::kPlain}, 4096}};
+  for (const Want& w : wants) {
+    const TuneLookup l = lookup_tuned_config(w.problem, w.tokens, h200, dir, false);
+    ASSERT_TRUE(l.config.has_value()) << w.problem.key() << ": " << l.reason;
+    EXPECT_FALSE(l.table.empty());
+    EXPECT_TRUE(has_note(l, "provenance differs")) << l.reason;
+    // Every shipped pick is a config of this build (the table's recorded winner, not a substitute).
+    EXPECT_FALSE(has_note(l, "skipped")) << l.reason;
+  }
+  // The shipped files are in the current format, with the SM count recorded.
+  for (const char* f : {"/h200-glm-5.json", "/h200-gpt-oss-120b.json"}) {
+    std::ifstream in(dir + f);
+    const nlohmann::json doc = nlohmann::json::parse(in);
+    EXPECT_EQ(doc.at("format"), "fp4moe-tune/2") << f;
+    const TuneKey k = tune_key_from_json(doc);
+    EXPECT_EQ(k.gpu, "NVIDIA H200") << f;
+    EXPECT_EQ(k.sms, 132) << f;
+    EXPECT_FALSE(k.config_list.empty()) << f;
+  }
+  // Another GPU does not use them.
+  TuneKey b200 = h200;
+  b200.gpu = "NVIDIA B200";
+  b200.cc = "10.0";
+  b200.sms = 148;
+  EXPECT_FALSE(lookup_tuned_config(wants[0].problem, 1, b200, dir, false).config.has_value());
+}
+
+}  // namespace
+}  // namespace fp4moe
