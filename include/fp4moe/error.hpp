@@ -45,13 +45,9 @@ constexpr const char* source_location_for_users(const char* file) {
 
 }  // namespace fp4moe
 
-// The source location in messages: the file's name only (gcc >= 12, clang and nvcc's host pass define
-// __FILE_NAME__), so no build-machine path reaches a user.
-#if defined(__FILE_NAME__)
-#define FP4MOE_SOURCE_FILE __FILE_NAME__
-#else
+// The source location in messages: repository-relative (-ffile-prefix-map), and cut to the file's name
+// by source_location_for_users() where it is still absolute.
 #define FP4MOE_SOURCE_FILE __FILE__
-#endif
 
 // FP4MOE_REQUIRE(cond, "fmt", args...): the message must name the argument, the value and the rule,
 // e.g. FP4MOE_REQUIRE(k % 16 == 0, "K = {} must be a multiple of 16 (the NVFP4 block)", k).

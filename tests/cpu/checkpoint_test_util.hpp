@@ -94,8 +94,12 @@ std::string expect_error(Fn&& fn, const std::vector<std::string>& must, const st
     fn();
   } catch (const Error& e) {
     const std::string m = e.what();
-    for (const auto& s : must) EXPECT_NE(m.find(s), std::string::npos) << "missing '" << s << "' in: " << m;
-    if (!forbidden.empty()) EXPECT_EQ(m.find(forbidden), std::string::npos) << "absolute path in: " << m;
+    for (const auto& s : must) {
+      EXPECT_NE(m.find(s), std::string::npos) << "missing '" << s << "' in: " << m;
+    }
+    if (!forbidden.empty()) {
+      EXPECT_EQ(m.find(forbidden), std::string::npos) << "absolute path in: " << m;
+    }
     return m;
   }
   ADD_FAILURE() << "no fp4moe::Error thrown (expected one mentioning '" << (must.empty() ? "" : must[0]) << "')";

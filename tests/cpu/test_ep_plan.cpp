@@ -197,7 +197,9 @@ TEST(EpPlan, WorkspaceLayoutIsAlignedDisjointAndHoldsEverySmallerStep) {
                                         l.shared_gemm2_out};
       for (size_t i = 0; i < offs.size(); ++i) {
         EXPECT_EQ(offs[i] % 256, 0u) << i;
-        if (i > 0) EXPECT_GT(offs[i], offs[i - 1]) << i;  // every region is non-empty here
+        if (i > 0) {
+          EXPECT_GT(offs[i], offs[i - 1]) << i;  // every region is non-empty here
+        }
       }
       const EpStepLayout& m = l.max_step;
       const int64_t H = c.hidden;
@@ -336,7 +338,9 @@ TEST(EpPlan, SimulatedDataflowEqualsTheSingleGpuCombine) {
           got += bf16_bits_to_float(ret[P[s].pos_of[i]]);
           const bool kept = P[s].pos_of[i] != L[s].zero_row;
           if (kept) want += bf16_bits_to_float(y_of(s, t, ids[s][i], wts[s][i]));
-          if (cf == 0.0) ASSERT_TRUE(kept);
+          if (cf == 0.0) {
+            ASSERT_TRUE(kept);
+          }
         }
         ASSERT_EQ(float_to_bf16_bits(got), float_to_bf16_bits(want)) << "trial " << trial << " rank " << s << " token " << t;
       }
