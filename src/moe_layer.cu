@@ -272,6 +272,14 @@ MoeResolvedTileConfigs pick_tiles(const std::vector<MoeResolvedTileConfigs>& aut
   return r;
 }
 
+// A shared expert of the routed experts' width runs inside the routed launch while its rows fill at
+// most two of the routed config's token tiles: each token tile streams the shared weights once more
+// (at T = 128 with 8-token tiles that was 16 extra passes, 0.83 -> 0.70 of the read ceiling for the
+// layer), so beyond that it gets a launch of its own with its own config.
+bool fuse_shared_expert(const MoeConfig& c, bool shared, int64_t shared_rows, const TileConfig& routed) {
+  return c.num_shared == 1 && shared && shared_rows <= 2 * static_cast<int64_t>(routed.bt);
+}
+
 void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
                       const MoeResolvedTileConfigs& tiles, cudaStream_t stream) {
   const GemmEpilogue act_epi =
@@ -281,7 +289,7 @@ void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   // streaming 14 MB while 100 SMs idle). A wider shared expert (num_shared > 1) gets its own launches.
   // No shared views: none, or one the caller runs itself (a bf16 shared expert).
   const bool shared = c.num_shared > 0 && w.shared1 != nullptr;
-  const bool fused_shared = c.num_shared == 1 && shared;
+  const bool fused_shared = fuse_shared_expert(c, shared, b.shared_rows, tiles.gemm1);
   GroupedGemmArgs a;
   a.act = b.sorted;
   a.expert_offsets = b.expert_offsets;
@@ -307,7 +315,7 @@ void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
 void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
                       const MoeResolvedTileConfigs& tiles, cudaStream_t stream) {
   const bool shared = c.num_shared > 0 && w.shared2 != nullptr;
-  const bool fused_shared = c.num_shared == 1 && shared;
+  const bool fused_shared = fuse_shared_expert(c, shared, b.shared_rows, tiles.gemm2);
   GroupedGemmArgs a;
   a.act = b.gemm1_out;
   a.expert_offsets = b.expert_offsets;

@@ -135,10 +135,18 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
       DeviceBuffer raw_codes(codes_bytes), raw_scales(scales_bytes);
       std::vector<uint8_t> h_codes(codes_bytes), h_scales(scales_bytes);
       std::vector<float> h_gs(static_cast<size_t>(E));
-      std::uniform_int_distribution<int> byte(0, 255), sbyte(0x08, 0x70);
+      uint64_t sbits = 0;
       for (auto& s : in) {
-        for (auto& b : h_codes) b = static_cast<uint8_t>(byte(rng));
-        for (auto& b : h_scales) b = static_cast<uint8_t>(sbyte(rng));
+        // Eight bytes per draw: a GLM-5 problem is ~5 GB of codes, and a byte-wise distribution took
+        // most of the tuner's wall time. Scales stay in [0x08, 0x70] (finite, positive E4M3).
+        for (size_t i = 0; i < h_codes.size(); i += 8) {
+          const uint64_t r = rng();
+          std::memcpy(h_codes.data() + i, &r, std::min<size_t>(8, h_codes.size() - i));
+        }
+        for (size_t i = 0; i < h_scales.size(); ++i) {
+          if (i % 8 == 0) sbits = rng();
+          h_scales[i] = static_cast<uint8_t>(0x08 + ((sbits >> (8 * (i % 8))) & 0xff) % (0x70 - 0x08 + 1));
+        }
         for (auto& g : h_gs) g = 1.0f / 64.0f;
         FP4MOE_CUDA_CHECK(cudaMemcpy(raw_codes.p, h_codes.data(), codes_bytes, cudaMemcpyHostToDevice));
         FP4MOE_CUDA_CHECK(cudaMemcpy(raw_scales.p, h_scales.data(), scales_bytes, cudaMemcpyHostToDevice));

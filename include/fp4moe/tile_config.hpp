@@ -126,9 +126,6 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {128, 64, 128, 4, 8},
     {64, 16, 128, 8, 4},
     {128, 32, 64, 8, 8},   // K not a multiple of 128 (gpt-oss: 2880)
-    // T = 1 .. 8: few experts, few tiles: three CTAs per SM (<= 85 registers, 54 KB) so that one
-    // expert's 32 feature tiles of GEMM1 plus the shared expert's fit one round of CTAs
-    {128, 16, 128, 4, 8, 0, 3},
     // decode with 256-wide K stages: half the barriers and loader work per weight byte
     {128, 16, 256, 4, 8},
     {128, 32, 256, 3, 8},

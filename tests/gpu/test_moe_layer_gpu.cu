@@ -303,7 +303,7 @@ void run_routing_case(const MoeConfig& cfg, const std::vector<float>& logits, co
   Stream st;
   OwnedDeviceBuffer dl = upload(logits), db = upload(bias);
   OwnedDeviceBuffer ids(T * cfg.top_k * 4), w(T * cfg.top_k * 4);
-  FP4MOE_CUDA_CHECK(cudaMemset(ids.get(), 0xff, ids.bytes()));
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(ids.get(), 0xff, ids.bytes(), st.s));  // on the non-blocking stream
   moe_route(cfg, dl.as<float>(), bias.empty() ? nullptr : db.as<float>(), T, ids.as<int32_t>(), w.as<float>(), st.s);
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
   expect_routing_matches(cfg, logits, bias, T, download<int32_t>(ids.get(), T * cfg.top_k),
@@ -372,7 +372,7 @@ TEST(MoePermuteGpu, StableExpertSortedRows) {
       OwnedDeviceBuffer d_cc(moe_permute_chunks(T * k) * E * 4), d_off((E + 1) * 4), d_row(T * k * 4),
           d_rs(T * k * 4), d_sh(16);
       for (int rep = 0; rep < 2; ++rep) {  // a second run must give the same answer (no stale state)
-        FP4MOE_CUDA_CHECK(cudaMemset(d_row.get(), 0xff, d_row.bytes()));
+        FP4MOE_CUDA_CHECK(cudaMemsetAsync(d_row.get(), 0xff, d_row.bytes(), st.s));
         moe_permute(E, k, T, d_ids.as<int32_t>(), d_w.as<float>(), d_cc.as<int32_t>(), d_off.as<int32_t>(),
                     d_row.as<int32_t>(), d_rs.as<float>(), d_sh.as<int32_t>(), st.s);
         FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));

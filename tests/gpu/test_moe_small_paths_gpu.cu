@@ -47,12 +47,13 @@ PermuteOut run_permute(PermutePath path, int E, int k, int64_t T, int64_t H, con
   const int64_t n = T * k;
   OwnedDeviceBuffer cc(std::max<int64_t>(moe_permute_chunks(n), 1) * E * 4), off((E + 1) * 4), row(n * 4),
       rs(n * 4), sh(16), sorted(n * H * 2);
-  // Poison everything the kernels must write.
-  FP4MOE_CUDA_CHECK(cudaMemset(off.get(), 0xff, off.bytes()));
-  FP4MOE_CUDA_CHECK(cudaMemset(row.get(), 0xff, row.bytes()));
-  FP4MOE_CUDA_CHECK(cudaMemset(rs.get(), 0xff, rs.bytes()));
-  FP4MOE_CUDA_CHECK(cudaMemset(sh.get(), 0xff, sh.bytes()));
-  FP4MOE_CUDA_CHECK(cudaMemset(sorted.get(), 0xff, sorted.bytes()));
+  // Poison everything the kernels must write, on the kernels' stream: `s` does not synchronize with the
+  // legacy default stream, and a plain cudaMemset there could land after the kernels' writes.
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(off.get(), 0xff, off.bytes(), s));
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(row.get(), 0xff, row.bytes(), s));
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(rs.get(), 0xff, rs.bytes(), s));
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(sh.get(), 0xff, sh.bytes(), s));
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(sorted.get(), 0xff, sorted.bytes(), s));
   moe_permute_gather(E, k, T, d_ids.as<int32_t>(), d_w.as<float>(), cc.as<int32_t>(), off.as<int32_t>(),
                      row.as<int32_t>(), rs.as<float>(), sh.as<int32_t>(), d_h.get(), H, sorted.get(), s, path);
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -162,7 +163,7 @@ TEST(MoeSmallPathsGpu, CombineEveryTopKAndWideRows) {
         for (auto& v : shared) v = float_to_bf16_bits(std::normal_distribution<float>()(rng));
         OwnedDeviceBuffer d_row = upload(row_of), d_y = upload(y), d_s = upload(shared), d_out(T * H * 2);
         for (int with_shared = 0; with_shared < 2; ++with_shared) {
-          FP4MOE_CUDA_CHECK(cudaMemset(d_out.get(), 0xff, d_out.bytes()));
+          FP4MOE_CUDA_CHECK(cudaMemsetAsync(d_out.get(), 0xff, d_out.bytes(), st.s));
           moe_combine(d_y.get(), with_shared ? d_s.get() : nullptr, d_row.as<int32_t>(), k, T, H, d_out.get(), st.s);
           FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
           const std::vector<uint16_t> out = download<uint16_t>(d_out.get(), T * H);
