@@ -12,7 +12,7 @@ KERNELS = ("sm80-nvfp4-grouped", "cutlass-sm120-nvfp4-grouped")
 
 def explain(tile: Optional[str] = None, *, arch: Optional[str] = None, kernel: str = "sm80-nvfp4-grouped",
             stages: int = 0, warps: int = 0, wgmma: bool = False, model: Any = None, tokens: int = 1,
-            sms: int = 0, epilogue_bytes: int = -1) -> dict:
+            sms: int = 0, epilogue_bytes: int = -1) -> dict:  # epilogue_bytes: the StageCountAutoCarveout carveout (cutlass family)
     """The planner's arithmetic for one tile config, or for every config of the kernel family.
 
     tile: "BNxBTxBK" for sm80-nvfp4-grouped (features x tokens x K), "MxNxK" for the CUTLASS sm_120

@@ -1025,9 +1025,9 @@ nb::dict explain_py(std::optional<std::string> tile, std::optional<std::string> 
       nb::list picks;
       for (int g = 1; g <= 2; ++g) {
         const TuneProblem pr = gemm_problem(*model, g);
-        const TuneLookup l = choose_config(pr, T, arch.num_sms);
-        const Sm80Plan p = plan_sm80(*l.config, arch);
-        const Verdict pv = check_problem_sm80(*l.config, pr.n, pr.k, pr.experts);
+        const TuneLookup l = choose_config(pr, T, arch);
+        const Sm80Plan p = plan_sm80(*l.config, arch, 0, l.config->mma == 2 ? pr.k : 0);
+        const Verdict pv = check_problem_sm80(*l.config, pr.n, pr.k, pr.experts, &arch);
         picks.append(make_dict({{"gemm", nb::cast(g)},
                                 {"n", nb::cast(pr.n)},
                                 {"k", nb::cast(pr.k)},
@@ -1055,20 +1055,19 @@ nb::dict explain_py(std::optional<std::string> tile, std::optional<std::string> 
     nb::list plans;
     Verdict all;
     for (const CutlassTile& t : tiles) {
-      std::optional<CutlassEpilogueModel> epi;
-      if (epilogue_bytes >= 0) {
-        CutlassEpilogueModel e = cutlass_default_epilogue(t);
-        e.tensor_bytes = e.carveout_bytes = static_cast<size_t>(epilogue_bytes);
-        e.description = fmt::format("epilogue_bytes = {}", epilogue_bytes);
-        epi = e;
-      }
-      const CutlassSm120Plan p = plan_cutlass_sm120(t, stages, epi, arch.smem_optin_per_block);
+      CutlassSm120Options o;
+      o.stages = stages;
+      if (epilogue_bytes >= 0) o.carveout = static_cast<size_t>(epilogue_bytes);
+      o.capacity = arch.smem_optin_per_block;
+      const CutlassSm120Plan p = plan_cutlass_sm120(t, o);
       if (tiles.size() == 1 && !p.verdict.valid) all = p.verdict;
       plans.append(make_dict({{"tile", nb::cast(fmt::format("{}x{}x{}", t.m, t.n, t.k))},
                               {"stages", nb::cast(p.stages)},
                               {"auto_stages", nb::cast(p.auto_stages)},
-                              {"per_stage_bytes", nb::cast(p.per_stage)},
-                              {"footprint_bytes", nb::cast(p.footprint)},
+                              {"per_stage_bytes", nb::cast(p.mainloop.auto_stage_bytes)},
+                              {"footprint_bytes", nb::cast(p.kernel.footprint)},
+                              {"carveout_bytes", nb::cast(p.carveout)},
+                              {"fix", nb::cast(p.fix)},
                               {"capacity_bytes", nb::cast(p.capacity)},
                               {"over_by_bytes", nb::cast(p.over_by)},
                               {"ignored_by_auto_bytes", nb::cast(p.ignored_by_auto)},
