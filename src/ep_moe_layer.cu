@@ -254,8 +254,11 @@ void EpMoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens
   const int E = c.num_experts, k = c.top_k, El = m.part.count(m.rank);
   const int64_t H = c.hidden, h8 = H / 8, row_bytes = H * 2;
   const int world = m.world, rank = m.rank;
+  // External records: inside a stream capture a plain cudaEventRecord only orders the capture and is
+  // never recorded when the graph runs (cudaEventElapsedTime then fails); these become event nodes.
   auto mark = [&](int i) {
-    if (opt.stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(opt.stage_events[i], stream));
+    if (opt.stage_events != nullptr)
+      FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(opt.stage_events[i], stream, cudaEventRecordExternal));
   };
 
   // ---- routing, this rank's pairs sorted by expert (= by destination), the messages ----

@@ -272,12 +272,14 @@ MoeResolvedTileConfigs pick_tiles(const std::vector<MoeResolvedTileConfigs>& aut
   return r;
 }
 
-// A shared expert of the routed experts' width runs inside the routed launch while its rows fill at
-// most two of the routed config's token tiles: each token tile streams the shared weights once more
-// (at T = 128 with 8-token tiles that was 16 extra passes, 0.83 -> 0.70 of the read ceiling for the
-// layer), so beyond that it gets a launch of its own with its own config.
+// A shared expert of the routed experts' width runs inside the routed launch. With a stream config each
+// of its token tiles streams the shared weights once more (no L2 reuse: rounds of one CTA), so beyond 8
+// token tiles it gets launches of its own with its own config: GLM-5 at T = 128 with 8-token tiles
+// made 16 passes (layer 0.70 of the read ceiling); separate launches at T = 32 cost ~60 us more than
+// four passes (0.74 vs ~0.78). Pipeline configs run a wave's token tiles of one feature tile together
+// (shared through L2) and always fuse.
 bool fuse_shared_expert(const MoeConfig& c, bool shared, int64_t shared_rows, const TileConfig& routed) {
-  return c.num_shared == 1 && shared && shared_rows <= 2 * static_cast<int64_t>(routed.bt);
+  return c.num_shared == 1 && shared && (routed.mma != 2 || shared_rows <= 8 * static_cast<int64_t>(routed.bt));
 }
 
 void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
@@ -476,7 +478,8 @@ void MoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens, 
   const int E = c.num_experts;
   const int64_t H = c.hidden;
   auto mark = [&](int i) {
-    if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(stage_events[i], stream));
+    if (stage_events != nullptr)  // external: also an event node when the caller captures a graph
+      FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(stage_events[i], stream, cudaEventRecordExternal));
   };
 
   // ---- routing ----
@@ -512,7 +515,8 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   const int E = c.num_experts, k = c.top_k;
   const int64_t H = c.hidden, n = tokens * k;
   auto mark = [&](int i) {
-    if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(stage_events[i], stream));
+    if (stage_events != nullptr)  // external: also an event node when the caller captures a graph
+      FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(stage_events[i], stream, cudaEventRecordExternal));
   };
 
   // ---- permutation + gather ----
@@ -602,10 +606,10 @@ void MoeLayer::forward_routed(cudaStream_t stream, const void* hidden, int64_t t
                  device, m.device);
   throw_pending_routing_error("MoeLayer::forward_routed");
   const MoeIntermediates ws = intermediates(workspace);
-  if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(stage_events[0], stream));
+  if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(stage_events[0], stream, cudaEventRecordExternal));
   moe_routing_given(m.cfg.num_experts, tokens * m.cfg.top_k, topk_ids, topk_weights, ws.topk_ids,
                     ws.topk_weights, m.routing_error_dev, stream);
-  if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecord(stage_events[1], stream));
+  if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(stage_events[1], stream, cudaEventRecordExternal));
   forward_experts(stream, hidden, tokens, ws.topk_ids, ws.topk_weights, out, workspace, stage_events);
 }
 
