@@ -75,6 +75,15 @@ bool pdl_supported() {
   return v == 1;
 }
 
+void record_stage_event(cudaEvent_t event, cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  FP4MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status == cudaStreamCaptureStatusActive)
+    FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(event, stream, cudaEventRecordExternal));
+  else
+    FP4MOE_CUDA_CHECK(cudaEventRecord(event, stream));
+}
+
 }  // namespace detail
 
 }  // namespace fp4moe

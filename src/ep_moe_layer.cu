@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fp4moe/cuda_check.hpp"
+#include "launch.hpp"
 #include "fp4moe/ep_nccl.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/kernels/ep_dispatch.cuh"
@@ -258,7 +259,7 @@ void EpMoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens
   // never recorded when the graph runs (cudaEventElapsedTime then fails); these become event nodes.
   auto mark = [&](int i) {
     if (opt.stage_events != nullptr)
-      FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(opt.stage_events[i], stream, cudaEventRecordExternal));
+      detail::record_stage_event(opt.stage_events[i], stream);
   };
 
   // ---- routing, this rank's pairs sorted by expert (= by destination), the messages ----

@@ -31,4 +31,9 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaSt
   FP4MOE_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, static_cast<KArgs>(args)...));
 }
 
+// Records a stage event on `stream`. Inside a stream capture it is recorded as an external event (an
+// event node of the graph: a plain record there only orders the capture and is never recorded when the
+// graph runs); outside a capture, where the external flag is refused, a plain record.
+void record_stage_event(cudaEvent_t event, cudaStream_t stream);
+
 }  // namespace fp4moe::detail

@@ -479,7 +479,7 @@ void MoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens, 
   const int64_t H = c.hidden;
   auto mark = [&](int i) {
     if (stage_events != nullptr)  // external: also an event node when the caller captures a graph
-      FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(stage_events[i], stream, cudaEventRecordExternal));
+      detail::record_stage_event(stage_events[i], stream);
   };
 
   // ---- routing ----
@@ -516,7 +516,7 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   const int64_t H = c.hidden, n = tokens * k;
   auto mark = [&](int i) {
     if (stage_events != nullptr)  // external: also an event node when the caller captures a graph
-      FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(stage_events[i], stream, cudaEventRecordExternal));
+      detail::record_stage_event(stage_events[i], stream);
   };
 
   // ---- permutation + gather ----
@@ -606,10 +606,10 @@ void MoeLayer::forward_routed(cudaStream_t stream, const void* hidden, int64_t t
                  device, m.device);
   throw_pending_routing_error("MoeLayer::forward_routed");
   const MoeIntermediates ws = intermediates(workspace);
-  if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(stage_events[0], stream, cudaEventRecordExternal));
+  if (stage_events != nullptr) detail::record_stage_event(stage_events[0], stream);
   moe_routing_given(m.cfg.num_experts, tokens * m.cfg.top_k, topk_ids, topk_weights, ws.topk_ids,
                     ws.topk_weights, m.routing_error_dev, stream);
-  if (stage_events != nullptr) FP4MOE_CUDA_CHECK(cudaEventRecordWithFlags(stage_events[1], stream, cudaEventRecordExternal));
+  if (stage_events != nullptr) detail::record_stage_event(stage_events[1], stream);
   forward_experts(stream, hidden, tokens, ws.topk_ids, ws.topk_weights, out, workspace, stage_events);
 }
 

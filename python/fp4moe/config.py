@@ -14,7 +14,7 @@ Hugging Face fields are mapped as follows (the first one present wins):
     routed_scaling_factor                         -> routed_scaling (default 1.0)
     norm_topk_prob                                -> renormalize (default True; Mixtral always renormalizes)
     swiglu_limit (gpt_oss)                        -> swiglu_limit; alpha 1.702, expert biases
-    quantization_config.quant_method == "mxfp4"   -> format "mxfp4" (the GPU layer runs NVFP4 only)
+    quantization_config.quant_method == "mxfp4"   -> format "mxfp4" (from tensors: NVFP4 only, see MoeLayer)
 
 A multimodal config whose MoE text model sits under "text_config" is read from there.
 """

@@ -168,6 +168,10 @@ class MoeLayer:
                  stream: Any = None) -> None:
         global _next_id
         cfg = make_config(config)
+        if cfg.format == "mxfp4":
+            raise ValueError("config: format 'mxfp4': MXFP4 weights (E8M0 scales per 32) are not taken from "
+                             "tensors yet; load the checkpoint with the C++ loader (fp4moe::load_moe_layer, checkpoint.hpp) "
+                             "or pass NVFP4 weights with config format 'nvfp4'")
         w = _normalize_weights(weights)
         dev = _resolve_device(device, w)
         count = _ext.device_count()
