@@ -216,7 +216,7 @@ def test_every_preset_matches_the_torch_oracle(name):
     cfg = fp4moe.make_config({"preset": name, "format": "nvfp4"}) if fp4moe.preset(name).format == "mxfp4" \
         else fp4moe.preset(name)
     w = make_weights(torch, cfg, seed=1 + PRESETS.index(name), separate_up_scale=(name == "gpt-oss-120b"))
-    layer = fp4moe.MoeLayer(name, w, max_tokens=64)
+    layer = fp4moe.MoeLayer(cfg, w, max_tokens=64)
     for T in (1, 5, 64):
         hidden, logits = inputs(torch, cfg, w, T, seed=T)
         ids, weights, _ = route_oracle(torch, cfg, logits, w.get("router_bias"))
