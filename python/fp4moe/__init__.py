@@ -36,7 +36,7 @@ from .formats import (  # noqa: E402
     unswizzle_scales_128x4,
 )
 from .explain import explain  # noqa: E402
-from .layer import MoeLayer  # noqa: E402
+from .layer import MoeLayer, load_moe_layer  # noqa: E402
 
 __all__ = [
     "Config",
@@ -47,6 +47,7 @@ __all__ = [
     "device_count",
     "explain",
     "gpu_available",
+    "load_moe_layer",
     "make_config",
     "preset",
     "preset_names",

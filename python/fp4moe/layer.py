@@ -1,6 +1,7 @@
 """fp4moe.MoeLayer: the whole MoE layer as one call on tensors from torch, CuPy, JAX, ..."""
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from collections.abc import Mapping
@@ -166,11 +167,10 @@ class MoeLayer:
 
     def __init__(self, config: ConfigLike, weights: Mapping, max_tokens: int, device: Any = None, *,
                  stream: Any = None) -> None:
-        global _next_id
         cfg = make_config(config)
         if cfg.format == "mxfp4":
             raise ValueError("config: format 'mxfp4': MXFP4 weights (E8M0 scales per 32) are not taken from "
-                             "tensors yet; load the checkpoint with the C++ loader (fp4moe::load_moe_layer, checkpoint.hpp) "
+                             "tensors yet; load the checkpoint with fp4moe.load_moe_layer(dir, layer, max_tokens) "
                              "or pass NVFP4 weights with config format 'nvfp4'")
         w = _normalize_weights(weights)
         dev = _resolve_device(device, w)
@@ -185,7 +185,11 @@ class MoeLayer:
             s = torch.cuda.current_stream(dev).cuda_stream if tensors else 0
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
             raise TypeError(f"max_tokens: a {type(max_tokens).__name__}; pass an int >= 1")
-        self._impl = _ext.Layer(cfg, w, max_tokens, dev, s)
+        self._adopt(_ext.Layer(cfg, w, max_tokens, dev, s))
+
+    def _adopt(self, impl: Any) -> None:
+        global _next_id
+        self._impl = impl
         self._forward = self._impl.forward
         self.id = _next_id  # the handle torch.ops.fp4moe.* take
         _next_id += 1
@@ -281,6 +285,26 @@ class MoeLayer:
         c = self.config
         return (f"fp4moe.MoeLayer('{c.name}', H={c.hidden}, I={c.intermediate}, E={c.num_experts}, k={c.top_k}, "
                 f"shared={c.num_shared}, router={c.router}, max_tokens={self.max_tokens}, device=cuda:{self.device})")
+
+
+def load_moe_layer(checkpoint_dir: Any, layer: int, max_tokens: int, device: Any = None, *,
+                   routed_only: bool = False) -> MoeLayer:
+    """One MoE layer of a checkpoint as stored (ModelOpt NVFP4, compressed-tensors NVFP4 or gpt-oss
+    MXFP4; sharded checkpoints through model.safetensors.index.json), uploaded and repacked once.
+
+    layer: the decoder layer index (one whose MLP is an MoE block); routed_only: leave the shared expert
+    out (the caller adds its own). The config (shapes, routing) comes from the checkpoint's config.json.
+    """
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"layer: a {type(layer).__name__}; pass the decoder layer index as an int")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"max_tokens: a {type(max_tokens).__name__}; pass an int >= 1")
+    if not _ext.gpu_available():
+        raise ValueError("fp4moe.load_moe_layer needs a CUDA GPU and none is available to this process")
+    dev = _resolve_device(device, {})
+    obj = MoeLayer.__new__(MoeLayer)
+    obj._adopt(_ext.Layer(os.fspath(checkpoint_dir), layer, max_tokens, dev, bool(routed_only)))
+    return obj
 
 
 def layer_by_id(layer_id: int) -> MoeLayer:

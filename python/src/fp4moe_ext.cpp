@@ -31,6 +31,7 @@
 #include "fp4moe/device_buffer.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/format.hpp"
+#include "fp4moe/checkpoint.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/planner.hpp"
 #include "fp4moe/tuner.hpp"
@@ -494,13 +495,31 @@ class Layer {
       }
     }
     MoeLayerWeights w = collect(weights);
-    layer_ = std::make_unique<MoeLayer>(cfg_, w, max_tokens, stream);
-    shape_.has_router_weight = layer_->has_router_weight();
-    staged_.clear();  // the layer owns repacked copies now
-    workspace_ = DeviceBuffer<uint8_t>(layer_->workspace_bytes());
-    // Zeroed once, so that nothing in it is ever uninitialized memory.
-    FP4MOE_CUDA_CHECK(cudaMemset(workspace_.get(), 0, workspace_.bytes()));
-    logits_f32_ = DeviceBuffer<float>(static_cast<size_t>(max_tokens * cfg_.num_experts));
+    finish(w, stream);
+  }
+
+  // One MoE layer of a checkpoint on disk (ModelOpt NVFP4, compressed-tensors NVFP4, gpt-oss MXFP4):
+  // read, uploaded once and repacked (checkpoint.hpp); the host copies are freed before this returns.
+  Layer(const std::string& dir, int layer, int64_t max_tokens, int device, bool routed_only) {
+    require_gpu("fp4moe.load_moe_layer");
+    if (max_tokens < 1) value_error("max_tokens = {} must be >= 1", max_tokens);
+    int count = 0;
+    FP4MOE_CUDA_CHECK(cudaGetDeviceCount(&count));
+    if (device < 0 || device >= count) value_error("device = {}: this process sees {} CUDA device(s)", device, count);
+    DeviceGuard guard(device);
+    const SafetensorsCheckpoint ck(dir);
+    const CheckpointInfo info = inspect_checkpoint(ck);
+    LoadOptions opts;
+    opts.routed_only = routed_only;
+    const HostMoeLayer host = load_moe_layer(ck, info, layer, opts);
+    const DeviceMoeLayer dev = upload_moe_layer(host, nullptr);
+    cfg_ = dev.cfg;
+    device_ = device;
+    max_tokens_ = max_tokens;
+    shape_.cfg = cfg_;
+    shape_.max_tokens = max_tokens;
+    shape_.device = device;
+    finish(dev.weights, nullptr);  // MoeLayer copies what it keeps and synchronizes: `dev` may go
   }
 
   const MoeConfig& config() const { return cfg_; }
@@ -548,6 +567,16 @@ class Layer {
   }
 
  private:
+  void finish(const MoeLayerWeights& w, cudaStream_t stream) {
+    layer_ = std::make_unique<MoeLayer>(cfg_, w, max_tokens_, stream);
+    shape_.has_router_weight = layer_->has_router_weight();
+    staged_.clear();  // the layer owns repacked copies now
+    workspace_ = DeviceBuffer<uint8_t>(layer_->workspace_bytes());
+    // Zeroed once, so that nothing in it is ever uninitialized memory.
+    FP4MOE_CUDA_CHECK(cudaMemset(workspace_.get(), 0, workspace_.bytes()));
+    logits_f32_ = DeviceBuffer<float>(static_cast<size_t>(max_tokens_ * cfg_.num_experts));
+  }
+
   void run(const Call& c) {
     const size_t ws = workspace_.bytes();
     if (c.ids != nullptr) {
@@ -1169,6 +1198,8 @@ NB_MODULE(_ext, m) {
   nb::class_<Layer>(m, "Layer")
       .def(nb::init<const MoeConfig&, const nb::dict&, int64_t, int, int64_t>(), "config"_a, "weights"_a,
            "max_tokens"_a, "device"_a, "stream"_a)
+      .def(nb::init<const std::string&, int, int64_t, int, bool>(), "checkpoint_dir"_a, "layer"_a, "max_tokens"_a,
+           "device"_a, "routed_only"_a)
       .def("forward", &Layer::forward, "hidden"_a.none(), "router_logits"_a.none(), "topk_ids"_a.none(),
            "topk_weights"_a.none(), "out"_a.none(), "stream"_a)
       .def("route", &Layer::route, "router_logits"_a.none(), "topk_ids"_a.none(), "topk_weights"_a.none(), "stream"_a)

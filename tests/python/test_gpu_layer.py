@@ -16,6 +16,7 @@ Every test skips (visibly) without torch or a CUDA GPU.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -503,3 +504,43 @@ def test_torch_custom_op_and_compile():
         torch._dynamo.reset()
         compiled = torch.compile(f, backend=backend, fullgraph=True)
         assert torch.equal(compiled(hidden, ids, weights), expect), backend
+
+
+# ------------------------------------------------------------------------------------------------
+# a checkpoint as stored: fp4moe.load_moe_layer against the oracle over the file's own tensors
+# ------------------------------------------------------------------------------------------------
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "modelopt-qwen3-moe-nvfp4")
+
+
+def test_load_moe_layer_matches_the_oracle_on_a_modelopt_checkpoint():
+    torch = need_gpu()
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    cfg = fp4moe.make_config(FIXTURE)  # the checkpoint's config.json
+    t = safetensors_torch.load_file(os.path.join(FIXTURE, "model.safetensors"), device="cuda")
+    p = "model.layers.1.mlp."
+    E = cfg.num_experts
+
+    def stack(proj, field):
+        return torch.stack([t[f"{p}experts.{e}.{proj}.{field}"] for e in range(E)])
+
+    w = {"w13_weight": torch.cat([stack("gate_proj", "weight"), stack("up_proj", "weight")], dim=1),
+         "w13_weight_scale": torch.cat([stack("gate_proj", "weight_scale"), stack("up_proj", "weight_scale")], dim=1),
+         "w13_weight_scale_2": stack("gate_proj", "weight_scale_2").reshape(E),
+         "w2_weight": stack("down_proj", "weight"), "w2_weight_scale": stack("down_proj", "weight_scale"),
+         "w2_weight_scale_2": stack("down_proj", "weight_scale_2").reshape(E)}
+    assert torch.equal(stack("gate_proj", "weight_scale_2"), stack("up_proj", "weight_scale_2")), \
+        "the fixture shares gate/up global scales (what ModelOpt writes)"
+    layer = fp4moe.load_moe_layer(FIXTURE, 1, max_tokens=64)
+    assert layer.config.num_experts == E and layer.config.hidden == cfg.hidden
+    router = t[p + "gate.weight"].float()
+    for T in (1, 7, 64):
+        gen = torch.Generator(device="cuda").manual_seed(T)
+        hidden = torch.randn(T, cfg.hidden, generator=gen, device="cuda").bfloat16()
+        logits = hidden.float() @ router.t()
+        ids, weights, _ = route_oracle(torch, cfg, logits, None)
+        ref = moe_oracle(torch, cfg, w, hidden, ids, weights)
+        out = layer.forward(hidden, router_logits=logits)
+        assert rel_l2(out, ref) < REL_L2, (T, rel_l2(out, ref))
+    with pytest.raises(fp4moe.Error, match="model.safetensors|config.json|no such|not"):
+        fp4moe.load_moe_layer(os.path.join(FIXTURE, "missing"), 1, max_tokens=8)

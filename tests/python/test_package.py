@@ -169,3 +169,13 @@ def test_examples_and_benchmark_compile():
     for rel in ("examples/torch_moe_layer.py", "examples/vllm_experts.py", "python/bench_overhead.py"):
         path = os.path.join(REPO, rel)
         compile(open(path).read(), path, "exec")
+
+
+def test_load_moe_layer_arguments_and_no_gpu():
+    with pytest.raises(TypeError, match="layer"):
+        fp4moe.load_moe_layer(".", "1", max_tokens=8)
+    with pytest.raises(TypeError, match="max_tokens"):
+        fp4moe.load_moe_layer(".", 1, max_tokens=8.0)
+    if not fp4moe.gpu_available():
+        with pytest.raises(ValueError, match="GPU"):
+            fp4moe.load_moe_layer(".", 1, max_tokens=8)
