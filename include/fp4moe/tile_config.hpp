@@ -138,7 +138,7 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {128, 256, 64, 4, 8, 1},
     {128, 64, 128, 4, 8, 1},
     {128, 256, 128, 3, 8, 1},
-    // decode, stream kernel (bench/NOTES.md, v8-v11): bytes in flight per SM decide it. 24 warps (80
+    // decode, stream kernel (bench/NOTES.md, v8-v10): bytes in flight per SM decide it. 24 warps (80
     // registers) with a 5-deep ring keep ~69 KB of weights in flight per SM: 0.77-0.84 of the read
     // ceiling at T = 8..128 (GLM-5 GEMMs); 32 warps at 64 registers spilled the ring and lost. bt 8 covers
     // up to 8 rows per expert (T <= ~128 at top-8 of 256), bt 16 up to 16.

@@ -11,7 +11,8 @@
 // - Weights: each warp loads its own repacked chunks (per lane 16 B of e2m1 codes = one mma A fragment
 //   for four k16 steps, and 8 B of block scales) from global memory into a ring of DEPTH register sets,
 //   DEPTH chunks ahead of the math. A warp's chunks of one m16 tile are contiguous in the repacked layout
-//   (nvfp4_weight_layout.hpp), so the stream is one pointer bumped by 512 B (codes) and 64 B (scales).
+//   (nvfp4_weight_layout.hpp), so the stream is a chunk index q: codes at base + 512 q, scales at
+//   base + 64 q (one IMAD.WIDE each).
 // - Activations: the rows of the current (expert, token tile), at most BT = 8 or 16, for the whole K, in
 //   shared memory (loaded once per round with cp.async), read as mma B fragments with ldmatrix. No
 //   barrier in the K loop.
@@ -22,7 +23,9 @@
 //   evenly across the warps, so a warp's range may start or end inside an m-tile. Whole m-tiles are
 //   stored from registers as soon as they finish; a split m-tile's pieces meet after the round's barrier:
 //   the warp holding its first chunk adds the later warps' pieces (kept in shared memory) in warp order,
-//   so the sum order is fixed by the shapes alone and the output is bit-identical run to run.
+//   so the sum order is fixed by the problem (shapes and every expert's row count) and the output is
+//   bit-identical run to run. It is not fixed by a token's own data alone: another problem containing the
+//   same rows can split the m-tile elsewhere and round differently (docs/kernel-design.md).
 // - The weight ring runs across m-tiles and rounds, so the next round's weights are in flight while a
 //   round ends (barrier, reduction, next activation rows).
 #pragma once
