@@ -58,18 +58,6 @@ std::string layers_str(const std::vector<int>& v) {
 
 int resolve_layer(const CheckpointInfo& info, int layer) { return layer < 0 ? info.moe_layers.front() : layer; }
 
-uint64_t bf16_hash(const std::vector<float>& v) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (float x : v) {
-    const uint16_t b = float_to_bf16_bits(x);
-    for (int i = 0; i < 2; ++i) {
-      h ^= (b >> (8 * i)) & 0xffu;
-      h *= 0x100000001b3ull;
-    }
-  }
-  return h;
-}
-
 void print_checksum(const std::vector<float>& out, int64_t t, int64_t h) {
   double sum = 0, sumsq = 0;
   for (float v : out) {
@@ -115,6 +103,18 @@ Loaded load(const std::string& dir, int layer, bool routed_only) {
 }
 
 }  // namespace
+
+uint64_t bf16_hash(const std::vector<float>& v) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (float x : v) {
+    const uint16_t b = float_to_bf16_bits(x);
+    for (int i = 0; i < 2; ++i) {
+      h ^= (b >> (8 * i)) & 0xffu;
+      h *= 0x100000001b3ull;
+    }
+  }
+  return h;
+}
 
 void print_checkpoint_info(const std::string& dir) {
   SafetensorsCheckpoint ck(dir);

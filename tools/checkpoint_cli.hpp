@@ -6,6 +6,10 @@
 
 namespace fp4moe::cli {
 
+// 64-bit FNV-1a over the output's bf16 bits: identical outputs <=> identical hashes (in practice), so
+// a GPU run and the CPU reference, or two machines, can be compared from the printed line.
+uint64_t bf16_hash(const std::vector<float>& v);
+
 // `fp4moe info --checkpoint DIR`: format, architecture, MoE layers, shapes, routing, what stays bf16.
 void print_checkpoint_info(const std::string& dir);
 

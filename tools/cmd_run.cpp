@@ -71,20 +71,6 @@ MoeConfig make_config(const RunArgs& a) {
   return c;
 }
 
-// 64-bit FNV-1a over the output's bf16 bits: identical outputs <=> identical hashes (in practice), so
-// a GPU run and the CPU reference, or two machines, can be compared from the printed line.
-uint64_t bf16_hash(const std::vector<float>& v) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (float x : v) {
-    const uint16_t b = float_to_bf16_bits(x);
-    for (int i = 0; i < 2; ++i) {
-      h ^= (b >> (8 * i)) & 0xffu;
-      h *= 0x100000001b3ull;
-    }
-  }
-  return h;
-}
-
 // The GPU layer on the same synthetic weights (generated on the device, bit-identical to the host
 // recipe) and inputs. Returns the output as floats (bf16 values) and the median forward time.
 std::vector<float> run_gpu(const MoeConfig& cfg, const RunArgs& a, double* forward_us) {
