@@ -726,6 +726,24 @@ HostMoeLayer load_moe_layer(const SafetensorsCheckpoint& ck, const CheckpointInf
 // CPU reference view
 // ---------------------------------------------------------------------------------------------------
 
+std::vector<float> host_router_logits(const HostMoeLayer& l, std::span<const float> hidden, int64_t tokens) {
+  const int64_t E = l.cfg.num_experts, H = l.cfg.hidden;
+  FP4MOE_REQUIRE(static_cast<int64_t>(hidden.size()) == tokens * H,
+                 "host_router_logits: hidden has {} values; tokens x hidden = {} x {} needed", hidden.size(), tokens, H);
+  FP4MOE_REQUIRE(static_cast<int64_t>(l.router_weight.size()) == E * H,
+                 "host_router_logits: layer {} has no router weight of [{}, {}]", l.layer, E, H);
+  std::vector<float> w(l.router_weight.size());
+  for (size_t i = 0; i < w.size(); ++i) w[i] = bf16_bits_to_float(l.router_weight[i]);
+  std::vector<float> logits(static_cast<size_t>(tokens * E));
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t e = 0; e < E; ++e) {
+      double s = 0;
+      for (int64_t h = 0; h < H; ++h) s += static_cast<double>(round_to_bf16(hidden[t * H + h])) * w[e * H + h];
+      logits[t * E + e] = static_cast<float>(s);
+    }
+  return logits;
+}
+
 std::shared_ptr<const ExpertWeights> HostLayerExperts::expert(int e) const {
   const MoeConfig& c = l_.cfg;
   const int64_t H = c.hidden;

@@ -68,22 +68,6 @@ void print_checksum(const std::vector<float>& out, int64_t t, int64_t h) {
              bf16_hash(out));
 }
 
-// logits[t, e] = sum_h hidden[t, h] * router[e, h] in double, rounded to fp32 (the same logits go to
-// the GPU layer and the CPU reference, so both route identically).
-std::vector<float> router_logits(const HostMoeLayer& l, const std::vector<float>& hidden, int64_t tokens) {
-  const int64_t E = l.cfg.num_experts, H = l.cfg.hidden;
-  std::vector<float> w(l.router_weight.size());
-  for (size_t i = 0; i < w.size(); ++i) w[i] = bf16_bits_to_float(l.router_weight[i]);
-  std::vector<float> logits(static_cast<size_t>(tokens * E));
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t e = 0; e < E; ++e) {
-      double s = 0;
-      for (int64_t h = 0; h < H; ++h) s += static_cast<double>(round_to_bf16(hidden[t * H + h])) * w[e * H + h];
-      logits[t * E + e] = static_cast<float>(s);
-    }
-  return logits;
-}
-
 struct Loaded {
   CheckpointInfo info;
   HostMoeLayer layer;
@@ -160,7 +144,7 @@ void run_checkpoint(const CheckpointRunArgs& a) {
   fmt::print("loaded {:.3f} MB of expert weights in {:.3f} s\n", static_cast<double>(L.layer.bytes()) / 1e6, L.load_s);
   const int64_t T = a.tokens;
   const std::vector<float> hidden = make_synthetic_hidden(cfg, a.seed, T);
-  const std::vector<float> logits = router_logits(L.layer, hidden, T);
+  const std::vector<float> logits = host_router_logits(L.layer, hidden, T);
   fmt::print("tokens: {} (synthetic hidden states, seed {}); router logits from the checkpoint's router weight\n", T,
              a.seed);
   std::vector<float> gpu_out;

@@ -19,6 +19,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -117,6 +118,11 @@ class HostLayerExperts final : public ExpertProvider {
  private:
   const HostMoeLayer& l_;
 };
+
+// The layer's router on the CPU: logits[t, e] = sum_h bf16(hidden[t, h]) * router_weight[e, h] in double,
+// rounded to fp32. hidden: [tokens, H]. Feeding the same logits to the GPU layer and the CPU reference
+// makes both route identically.
+std::vector<float> host_router_logits(const HostMoeLayer& layer, std::span<const float> hidden, int64_t tokens);
 
 // A layer uploaded to the GPU once: `weights` points into `buffers`.
 struct DeviceMoeLayer {

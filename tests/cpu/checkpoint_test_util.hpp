@@ -14,20 +14,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "../test_common.hpp"
 #include "fp4moe/error.hpp"
 
 namespace fp4moe::test {
 
 namespace fs = std::filesystem;
-
-// The fixtures: $FP4MOE_FIXTURES_DIR, else the source tree the tests were built from, else
-// tests/fixtures under the working directory (a copied tree run from its root, e.g. the GPU machine).
-inline std::string fixture(const std::string& name) {
-  if (const char* env = std::getenv("FP4MOE_FIXTURES_DIR")) return std::string(env) + "/" + name;
-  std::error_code ec;
-  if (fs::is_directory(FP4MOE_FIXTURES_DIR, ec)) return std::string(FP4MOE_FIXTURES_DIR) + "/" + name;
-  return "tests/fixtures/" + name;
-}
 
 // A fresh directory under the system temp dir, removed with the object.
 struct ScratchDir {

@@ -16,6 +16,8 @@
 namespace fp4moe {
 namespace {
 
+using test::rel_l2;
+
 struct Expect {
   const char* name;
   CheckpointFormat format;
@@ -66,27 +68,6 @@ LoadOptions quiet(bool routed_only = false) {
   return o;
 }
 
-std::vector<float> logits_for(const HostMoeLayer& l, const std::vector<float>& hidden, int64_t T) {
-  const int64_t E = l.cfg.num_experts, H = l.cfg.hidden;
-  std::vector<float> out(static_cast<size_t>(T * E));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t e = 0; e < E; ++e) {
-      double s = 0;
-      for (int64_t h = 0; h < H; ++h) s += double(hidden[t * H + h]) * bf16_bits_to_float(l.router_weight[e * H + h]);
-      out[t * E + e] = static_cast<float>(s);
-    }
-  return out;
-}
-
-double rel_l2(const std::vector<float>& a, const std::vector<float>& b) {
-  double n = 0, d = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    n += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    d += double(b[i]) * b[i];
-  }
-  return std::sqrt(n / std::max(d, 1e-300));
-}
-
 TEST(CheckpointFixtures, EachIsRecognizedLoadsAndRunsOnTheReference) {
   for (const Expect& x : fixtures()) {
     SCOPED_TRACE(x.name);
@@ -124,7 +105,7 @@ TEST(CheckpointFixtures, EachIsRecognizedLoadsAndRunsOnTheReference) {
       }
       const int64_t T = 6;
       const std::vector<float> hidden = make_synthetic_hidden(l.cfg, 5, T);
-      const std::vector<float> logits = logits_for(l, hidden, T);
+      const std::vector<float> logits = host_router_logits(l, hidden, T);
       const Routing r = route_reference(l.cfg, logits, l.router_bias, T);
       HostLayerExperts experts(l);
       const std::vector<float> out = moe_reference(l.cfg, experts, hidden, T, r);

@@ -24,25 +24,19 @@
 #include "fp4moe/nvfp4_weight_layout.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
+#include "../test_common.hpp"
 #include "gpu_test_util.hpp"
 
 namespace fp4moe {
 namespace {
 
 using test::download;
+using test::fixture;
+using test::rel_l2;
 using test::Stream;
 using test::upload;
 
 constexpr double kRelL2Bound = 5e-3;
-
-// $FP4MOE_FIXTURES_DIR, else the source tree the tests were built from, else tests/fixtures under the
-// working directory (the GPU machine runs a copy of the tree from its root).
-std::string fixture(const std::string& name) {
-  if (const char* env = std::getenv("FP4MOE_FIXTURES_DIR")) return std::string(env) + "/" + name;
-  std::error_code ec;
-  if (std::filesystem::is_directory(FP4MOE_FIXTURES_DIR, ec)) return std::string(FP4MOE_FIXTURES_DIR) + "/" + name;
-  return "tests/fixtures/" + name;
-}
 
 const char* kFixtures[] = {
     "modelopt-qwen3-moe-nvfp4",      "modelopt-qwen3-moe-nvfp4-sharded", "modelopt-deepseek-v3-nvfp4",
@@ -56,14 +50,6 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
   for (size_t i = 0; i < x.size(); ++i) b[i] = float_to_bf16_bits(x[i]);
   return b;
 }
-double rel_l2(const std::vector<float>& a, const std::vector<float>& ref) {
-  double n = 0, d = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    n += (double(a[i]) - ref[i]) * (double(a[i]) - ref[i]);
-    d += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(n / std::max(d, 1e-300));
-}
 
 // Hidden states with a per-token scale (x0.25 .. x4) so that logits and activations vary in size.
 std::vector<float> hidden_for(const MoeConfig& cfg, int64_t T, uint64_t seed) {
@@ -71,18 +57,6 @@ std::vector<float> hidden_for(const MoeConfig& cfg, int64_t T, uint64_t seed) {
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < cfg.hidden; ++i) h[t * cfg.hidden + i] = round_to_bf16(h[t * cfg.hidden + i] * std::ldexp(1.0f, int(t % 5) - 2));
   return h;
-}
-
-std::vector<float> logits_for(const HostMoeLayer& l, const std::vector<float>& hidden, int64_t T) {
-  const int64_t E = l.cfg.num_experts, H = l.cfg.hidden;
-  std::vector<float> out(static_cast<size_t>(T * E));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t e = 0; e < E; ++e) {
-      double s = 0;
-      for (int64_t h = 0; h < H; ++h) s += double(hidden[t * H + h]) * bf16_bits_to_float(l.router_weight[e * H + h]);
-      out[t * E + e] = static_cast<float>(s);
-    }
-  return out;
 }
 
 // The layer on the GPU vs the reference, for several T (ragged expert sizes, empty experts at T = 1).
@@ -98,7 +72,7 @@ void check_layer(const HostMoeLayer& l, const char* what) {
   for (int64_t T : {1, 5, 67}) {
     SCOPED_TRACE(testing::Message() << "T=" << T);
     const std::vector<float> hidden = hidden_for(l.cfg, T, 100 + T);
-    const std::vector<float> logits = logits_for(l, hidden, T);
+    const std::vector<float> logits = host_router_logits(l, hidden, T);
     OwnedDeviceBuffer dh = upload(to_bf16(hidden)), dl = upload(logits);
     FP4MOE_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, T * l.cfg.hidden * 2, st.s));  // NaN poison
     layer.forward(st.s, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes());
@@ -164,7 +138,7 @@ TEST(CheckpointGpu, RoutedOnlyFlagSkipsTheSharedExpert) {
   EXPECT_EQ(layer.config().num_shared, 0);
   OwnedDeviceBuffer ws(layer.workspace_bytes()), out(8 * l.cfg.hidden * 2);
   const std::vector<float> hidden = hidden_for(l.cfg, 8, 3);
-  const std::vector<float> logits = logits_for(l, hidden, 8);
+  const std::vector<float> logits = host_router_logits(l, hidden, 8);
   OwnedDeviceBuffer dh = upload(to_bf16(hidden)), dl = upload(logits);
   layer.forward(st.s, dh.get(), 8, dl.as<float>(), out.get(), ws.get(), ws.bytes());
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));

@@ -26,6 +26,7 @@
 #include "fp4moe/format_math.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
+#include "../test_common.hpp"
 #include "gpu_test_util.hpp"
 
 namespace fp4moe {
@@ -35,6 +36,7 @@ constexpr double kRelL2Bound = 5e-3;
 
 
 using test::download;
+using test::rel_l2;
 using test::Stream;
 using test::upload;
 std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
@@ -46,15 +48,6 @@ std::vector<float> from_bf16(const std::vector<uint16_t>& b) {
   std::vector<float> x(b.size());
   for (size_t i = 0; i < b.size(); ++i) x[i] = bf16_bits_to_float(b[i]);
   return x;
-}
-double rel_l2(const std::vector<float>& a, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double d = static_cast<double>(a[i]) - ref[i];
-    num += d * d;
-    den += static_cast<double>(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
 }
 
 
