@@ -16,6 +16,7 @@
 #include "fp4moe/grouped_gemm.hpp"
 #include "fp4moe/kernels/nvfp4_dequant.cuh"
 #include "fp4moe/nvfp4_weight_layout.hpp"
+#include "fp4moe/planner.hpp"
 #include "fp4moe/synthetic.hpp"
 
 namespace fp4moe {
@@ -239,9 +240,20 @@ TEST(GroupedGemmGpu, StreamConfigsSplitTilesAndRounds) {
     const TileConfig cfg = kGemmConfigs[ci];
     if (cfg.mma != 2) continue;
     SCOPED_TRACE(cfg.name());
-    // 2 m-tiles x 96 chunks per segment: most CTAs idle, the busy ones split each m-tile across warps
-    run_problem({32, 6144, {1, 0, 2 * cfg.bt + 5, 3}, GemmEpilogue::kPlain, false, true}, cfg, 40 + ci);
-    run_problem({32, 6144, {cfg.bt, 1, 0, 0, 7}, GemmEpilogue::kSwiGLU}, cfg, 41 + ci);
+    // 2 m-tiles x 96 chunks per segment: most CTAs idle, the busy ones split each m-tile across warps.
+    // Where the rows of K = 6144 do not fit (sm_120's 99 KB per block: bt 16 x 6144 x 2 B alone is 192 KB),
+    // the launch must refuse with the arithmetic instead.
+    if (plan_sm80(cfg, arch_from_device(0), 0, 6144).verdict.valid) {
+      run_problem({32, 6144, {1, 0, 2 * cfg.bt + 5, 3}, GemmEpilogue::kPlain, false, true}, cfg, 40 + ci);
+      run_problem({32, 6144, {cfg.bt, 1, 0, 0, 7}, GemmEpilogue::kSwiGLU}, cfg, 41 + ci);
+    } else {
+      try {
+        run_problem({32, 6144, {cfg.bt, 1, 0, 0, 7}, GemmEpilogue::kSwiGLU}, cfg, 41 + ci);
+        ADD_FAILURE() << "launched at K = 6144 although the planner refuses it";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("of shared memory per block"), std::string::npos) << e.what();
+      }
+    }
     // many experts of 0..bt+2 rows, GLM-like N: rounds cross expert boundaries inside a CTA
     run_problem({1024, 1024, ragged(24, cfg.bt + 2, 50 + ci), GemmEpilogue::kSwiGLU}, cfg, 42 + ci);
     // gpt-oss K = 2880 = 45 chunks (not a multiple of 128), biases, separate up scale

@@ -229,10 +229,11 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
       // ---- end of round: split m-tiles meet. The warp holding an m-tile's chunk 0 adds the later warps'
       // pieces in warp order (a fixed order: bit-identical results run to run) and stores it.
       // Warps reach this barrier along different paths (a warp with no chunks in a round loops here
-      // straight from the round's start; the others come back from the kernel's main loop), so it must
-      // be the non-aligned barrier.sync: __syncthreads() is bar.sync, the aligned form, which requires
-      // the whole CTA to arrive through uniform control flow (compute-sanitizer synccheck reports
-      // "divergent thread(s) in block" otherwise). The __syncwarp() first lets each warp arrive once.
+      // straight from the round's start; the others come back from the kernel's main loop or from its
+      // first call before the loop), so it must be the non-aligned barrier.sync: __syncthreads() is
+      // bar.sync, the aligned form, which requires the whole CTA to arrive through uniform control flow
+      // (compute-sanitizer synccheck reports "divergent thread(s) in block" otherwise). The __syncwarp()
+      // first lets each warp arrive once.
       __syncwarp();
       __barrier_sync(0);  // slots written; every warp is done with this round's activation rows
       if (ws.pending) {
@@ -368,9 +369,12 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // with the row so the eight rows of a matrix hit eight different bank groups. Steps 2-3: + act_delta.
   const uint32_t row_bytes = static_cast<uint32_t>(p.k) * 2;
   const uint32_t act_delta = ((((lane >> 3) + 4) ^ (lane & 7)) << 4) - ((((lane >> 3)) ^ (lane & 7)) << 4);
-  // No piece yet: the loop below opens the first one. stream_advance (which holds the CTA's barriers)
-  // is called from one place only, so every warp reaches each barrier along the same call path.
-  StreamPiece pc{0, 0u, 0};
+  // The first piece is opened here, before the loop, not by the loop's first event: with the loop's
+  // first turn entered with no piece, ptxas placed a wait for every outstanding ring load at the start of
+  // each slot (the ring one chunk deep; 0.59 of the read ceiling at T = 8 instead of 0.75, bench/NOTES.md).
+  // Opened here, it waits once per turn of the ring. The barriers in stream_advance are the non-aligned
+  // form, so the two call sites are allowed.
+  StreamPiece pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(0, 0, 0, 0), make_float4(0, 0, 0, 0));
 
   // One K chunk (four k16 steps) of the current m-tile from a ring slot, then refill the slot.
   auto step = [&](uint4& words, uint2& sc) {
@@ -403,7 +407,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // ending, the load cursor reaching the end of its round) leave the unrolled loop and re-enter it at the
   // slot where it stopped, so the cold code exists once.
   int ph = 0;
-  bool alive = true;  // until stream_advance says the CTA has no more work
+  bool alive = pc.cleft > 0;  // until stream_advance says the CTA has no more work
   while (alive) {
     switch (ph) {
 #define FP4MOE_STREAM_SLOT(d)                                      \
