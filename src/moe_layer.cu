@@ -323,6 +323,7 @@ void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   a.expert_offsets = b.expert_offsets;
   a.max_rows = b.rows;
   a.programmatic_launch = b.programmatic_launch;
+  a.offsets_ready_at_launch = true;  // GEMM1 read (and waited for) the same offsets
   a.row_scale = b.row_scale;
   a.out = b.gemm2_out;
   a.epilogue = GemmEpilogue::kPlain;

@@ -194,6 +194,7 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   const bool mx = w.format == WeightFormat::kMxfp4;
   p.scale_mul = mx ? layout::kMxfp4ScaleMul : layout::kNvfp4ScaleMul;
   p.scale_add = mx ? layout::kMxfp4ScaleAdd : layout::kNvfp4ScaleAdd;
+  p.weights_before_wait = args.programmatic_launch && args.offsets_ready_at_launch ? 1 : 0;
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;

@@ -51,6 +51,12 @@ struct GroupedGemmArgs {
   float swiglu_limit = 7.0f;
   // Launch with programmatic dependent launch (sm_90+; see moe_combine in moe_layer.hpp).
   bool programmatic_launch = false;
+  // With programmatic_launch: expert_offsets (and an extra set's) were complete before the previous
+  // kernel in the stream began (GEMM2 reads the offsets GEMM1 read). The stream configs then build their
+  // schedule and start streaming weights before waiting for the predecessor, whose output (`act`) they
+  // read only after the wait: the weight ring fills while the predecessor's last CTAs finish. Ignored
+  // by the other configs and without programmatic_launch.
+  bool offsets_ready_at_launch = false;
 };
 
 // Validates (shapes, alignment, config fits) and launches; never synchronizes, allocates nothing.

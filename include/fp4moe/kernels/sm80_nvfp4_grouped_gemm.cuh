@@ -65,6 +65,9 @@ struct GroupedGemmParams {
   // nvfp4_weight_layout.hpp). Both weight sets of a launch share the format.
   uint32_t scale_mul;
   uint32_t scale_add;
+  // Stream kernel: offsets are final at launch (GroupedGemmArgs::offsets_ready_at_launch), so the
+  // schedule and the weight ring come before griddepcontrol.wait.
+  int weights_before_wait;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

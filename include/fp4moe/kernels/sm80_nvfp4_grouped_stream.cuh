@@ -305,8 +305,14 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
 template <int BT, int WARPS, int DEPTH, int CTAS, int EPI>
 __global__ void __launch_bounds__(WARPS * 32, CTAS)
     sm80_nvfp4_grouped_stream_kernel(const __grid_constant__ GroupedGemmParams p) {
-  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
-  pdl_launch_dependents();
+  // Programmatic dependent launch: the predecessor's results are visible after pdl_wait. The expert
+  // offsets are read before it only when the host says they were final before the predecessor began
+  // (p.weights_before_wait: GEMM2, whose offsets GEMM1 already waited for; this grid cannot start before
+  // every CTA of GEMM1 passed its own wait, so their producer has completed). Weights are constant.
+  if (!p.weights_before_wait) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   constexpr TileConfig kCfg{16 * WARPS, BT, 64, DEPTH, WARPS, 2, CTAS};
   static_assert(tile_config_well_formed(kCfg), "stream config is malformed: see tile_config_well_formed()");
   static_assert(DEPTH <= 8, "the slot dispatch below has eight cases");
@@ -353,6 +359,10 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     ring_s[d] = make_uint2(0, 0);
     if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
     issue(ring_c[d], ring_s[d]);
+  }
+  if (p.weights_before_wait) {  // the activation rows (the predecessor's output) are read after this
+    pdl_wait();
+    pdl_launch_dependents();
   }
 
   // ---- math ----
