@@ -636,6 +636,52 @@ TEST(MoeLayerGpu, DeterministicAndGraphCapturable) {
   check_determinism_and_graph(glm, L.weights, 4100, 9);
 }
 
+// One graph replayed with new inputs in the same buffers, so the routing (and the expert offsets, the
+// rows' order, every expert's row count) changes between replays: each replay must equal an eager run
+// of its own inputs. Guards the reads that kernels do before their programmatic-launch wait (GEMM2
+// reads the expert offsets before waiting for GEMM1) against seeing an earlier replay's values.
+TEST(MoeLayerGpu, GraphReplaysWithChangingRoutingEqualEager) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Stream st;
+  const MoeConfig& glm = preset("glm-5");
+  SyntheticDeviceLayer L = make_synthetic_layer_device(glm, 8, st.s);
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+  for (int64_t T : {int64_t{1}, int64_t{8}, int64_t{64}}) {
+    SCOPED_TRACE("T = " + std::to_string(T));
+    MoeLayer layer(glm, L.weights, T, st.s);
+    OwnedDeviceBuffer ws(layer.workspace_bytes()), out(T * glm.hidden * 2);
+    OwnedDeviceBuffer ws_eager(layer.workspace_bytes()), out_eager(T * glm.hidden * 2);
+    OwnedDeviceBuffer dh(T * glm.hidden * 2), dl(T * glm.num_experts * 4);
+    auto set_inputs = [&](uint64_t seed) {
+      const std::vector<uint16_t> h = to_bf16(make_synthetic_hidden(glm, seed, T));
+      const std::vector<float> l = make_synthetic_router_logits(glm, seed, T);
+      FP4MOE_CUDA_CHECK(cudaMemcpyAsync(dh.get(), h.data(), h.size() * 2, cudaMemcpyHostToDevice, st.s));
+      FP4MOE_CUDA_CHECK(cudaMemcpyAsync(dl.get(), l.data(), l.size() * 4, cudaMemcpyHostToDevice, st.s));
+    };
+    set_inputs(100);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
+    layer.forward(st.s, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes());
+    FP4MOE_CUDA_CHECK(cudaStreamEndCapture(st.s, &graph));
+    FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::vector<int32_t> previous_ids;
+    for (uint64_t seed : {101, 102, 103, 101}) {
+      set_inputs(seed);
+      const LayerResult e =
+          run_layer(layer, dh.get(), T, dl.as<float>(), out_eager.get(), ws_eager.get(), ws_eager.bytes(), st.s);
+      EXPECT_NE(e.ids, previous_ids) << "seed " << seed << " routes like the previous input: the test needs new routing";
+      previous_ids = e.ids;
+      FP4MOE_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), st.s));
+      FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, st.s));
+      FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+      EXPECT_EQ(download<uint16_t>(out.get(), T * glm.hidden), e.out) << "graph replay with seed " << seed;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+
 TEST(MoeLayerGpu, RouterWeightComputesTheLogits) {
   FP4MOE_SKIP_WITHOUT_GPU();
   const MoeConfig& cfg = preset("tiny");
