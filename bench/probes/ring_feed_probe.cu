@@ -27,6 +27,8 @@
 
 #include <cuda_runtime.h>
 
+#include "fp4moe/kernels/sm80_nvfp4_grouped_stream.cuh"  // the kernel's own streaming loads and smem_u32
+
 #define PROBE_CHECK(x)                                                                              \
   do {                                                                                              \
     cudaError_t e_ = (x);                                                                           \
@@ -42,7 +44,7 @@ namespace {
 constexpr int kCodeBytes = 512;  // per chunk and warp
 constexpr int kScaleBytes = 64;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+using fp4moe::kernels::smem_u32;
 
 // `work` independent LOP3-class operations folded into acc (the compiler cannot drop them: acc is stored).
 __device__ __forceinline__ uint32_t fake_work(uint4 c, uint2 s, int work) {
@@ -65,18 +67,9 @@ __global__ void read_ceiling_kernel(const uint4* __restrict__ p, size_t n, uint3
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-__device__ __forceinline__ uint4 ldg_nc_v4(const uint8_t* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-__device__ __forceinline__ uint2 ldg_nc_v2(const uint8_t* p) {
-  uint2 r;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(p));
-  return r;
-}
+// The stream kernel's loads (ld.global.nc.L1::no_allocate), so the register ring here is the kernel's.
+__device__ __forceinline__ uint4 ldg_nc_v4(const uint8_t* p) { return fp4moe::kernels::ldg_stream_v4(p); }
+__device__ __forceinline__ uint2 ldg_nc_v2(const uint8_t* p) { return fp4moe::kernels::ldg_stream_v2(p); }
 
 // Register ring: the kernel's scheme (slot d refilled right after use, DEPTH chunks ahead).
 template <int DEPTH>
