@@ -98,8 +98,13 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
   const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4;
   const size_t sched_pad = pad_to(sched, 128);
   p.sched_bytes = sched + sched_pad;
-  p.total_bytes = p.sched_offset + p.sched_bytes;
-  p.padding_bytes = (codes_pad + scales_pad + act_pad + stage_pad) * c.stages + sched_pad;
+  // tma configs: a "full" and an "empty" mbarrier of 8 bytes per stage, and one that says the
+  // scheduler's prefix is written, after the scheduler.
+  const size_t bars = c.mma == 3 ? (static_cast<size_t>(c.stages) * 2 + 1) * 8 : 0;
+  const size_t bars_pad = pad_to(bars, 128);
+  p.barrier_bytes = bars + bars_pad;
+  p.total_bytes = p.sched_offset + p.sched_bytes + p.barrier_bytes;
+  p.padding_bytes = (codes_pad + scales_pad + act_pad + stage_pad) * c.stages + sched_pad + bars_pad;
 
   auto line = [&](std::string what, std::string formula, size_t bytes) {
     p.lines.push_back({std::move(what), std::move(formula), bytes});
@@ -120,7 +125,13 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
   line("scheduler", fmt::format("(kMaxExperts + 2) * 4 = ({} + 2) * 4{}", kMaxExperts,
                                 sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
        p.sched_bytes);
-  line("total dynamic shared memory", "pipeline + scheduler", p.total_bytes);
+  if (c.mma == 3)
+    line("mbarriers", fmt::format("(stages * 2 + 1) * 8 = ({} * 2 + 1) * 8 (full + empty per stage, schedule){}",
+                                  c.stages,
+                                  bars_pad ? fmt::format(" + {} pad", bars_pad) : ""),
+         p.barrier_bytes);
+  line("total dynamic shared memory", c.mma == 3 ? "pipeline + scheduler + mbarriers" : "pipeline + scheduler",
+       p.total_bytes);
   return p;
 }
 
@@ -128,6 +139,27 @@ RegisterEstimate estimate_registers_sm80(const TileConfig& c) {
   RegisterEstimate r;
   const int wm = c.mma == 2 ? 1 : c.wm(), nt = c.bt / 8;
   r.accumulators = wm * nt * 4;
+  if (c.mma == 3) {
+    // tma consumers: A-fragment sets of a stage's k16 steps (four with two m64 tiles per warpgroup), the
+    // stage's raw codes + scales (24 B per chunk and m16 tile); the producer warpgroup gives registers
+    // to them with setmaxnreg, so the cap is tma_consumer_regs (the launch-bounds cap is 65536 / threads)
+    const int ks = c.bk / 16, nb = wm == 2 ? 4 : ks;
+    r.b_fragments = 0;
+    r.a_fragments = nb * wm * 4;
+    r.raw_weights = wm * (c.bk / 64) * 6;
+    r.addressing = 40;
+    const int sum = r.accumulators + r.a_fragments + r.raw_weights + r.addressing;
+    r.estimate = (sum + 7) / 8 * 8;
+    r.min_blocks = gemm_min_ctas_per_sm(c);
+    r.launch_bounds_cap = std::min(255, 65536 / (r.min_blocks * c.threads()) / 8 * 8);
+    // occupancy is decided by the launch's per-thread count, the launch-bounds cap
+    r.expected = r.launch_bounds_cap;
+    r.formula = fmt::format("consumers: acc wm*(bt/8)*4 = {} + A sets {}*wm*4 = {} + raw wm*(bk/64)*6 = {} + "
+                            "addressing 40 = {} -> {} of setmaxnreg's {}; launch: 65536/(1*{}) = {}",
+                            r.accumulators, nb, r.a_fragments, r.raw_weights, sum, r.estimate,
+                            tma_consumer_regs(c.warps), c.threads(), r.launch_bounds_cap);
+    return r;
+  }
   // stream: the B fragments of a whole 64-K chunk (two ldmatrix.x4 per n-tile); the raw weights are the
   // register ring, `stages` chunks of 16 B codes + 8 B scales
   r.b_fragments = c.mma == 2 ? nt * 8 : nt * 2;
@@ -191,10 +223,19 @@ Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_sm
   } else {
     const size_t fixed = p.smem.sched_bytes + static_smem;
     p.max_stages_that_fit = limit > fixed ? static_cast<int>((limit - fixed) / p.smem.stage_bytes) : 0;
+    // tma configs: each stage also has two 8-byte mbarriers (their region padded to 128 bytes)
+    while (cfg.mma == 3 && p.max_stages_that_fit > 0 &&
+           fixed + p.max_stages_that_fit * p.smem.stage_bytes +
+                   (p.max_stages_that_fit * 16 + 8 + 127) / 128 * 128 > limit)
+      --p.max_stages_that_fit;
   }
 
-  if (cfg.mma == 1 && !arch.has(kWgmma))
-    v.fail(fmt::format("instruction: the config needs wgmma (sm_90a), {} has {}", arch.name, arch.families_string()));
+  if ((cfg.mma == 1 || cfg.mma == 3) && !arch.has(kWgmma))
+    v.fail(fmt::format("instruction: the config needs wgmma{} (sm_90a), {} has {}",
+                       cfg.mma == 3 ? ", TMA and setmaxnreg" : "", arch.name, arch.families_string()));
+  if (cfg.mma == 3 && p.regs.estimate > tma_consumer_regs(cfg.warps))
+    v.fail(fmt::format("registers: the consumers need ~{} per thread, setmaxnreg gives them {} ({})",
+                       p.regs.estimate, tma_consumer_regs(cfg.warps), p.regs.formula));
   if (!arch.has(kMmaSync))
     v.fail(fmt::format("instruction: the kernel needs mma.sync (sm_80+), {} has {}", arch.name,
                        arch.families_string()));

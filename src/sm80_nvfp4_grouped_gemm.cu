@@ -13,12 +13,14 @@
 #include "launch.hpp"
 #include "fp4moe/planner.hpp"
 #include "sm80_nvfp4_grouped_gemm_internal.hpp"
+#include "sm90_tensor_maps.hpp"
 
 namespace fp4moe {
 
 std::string TileConfig::name() const {
   if (mma == 2) return fmt::format("stream_bt{}_w{}_d{}_c{}", bt, warps, stages, ctas);
-  return fmt::format("bn{}_bt{}_bk{}_s{}_w{}{}{}", bn, bt, bk, stages, warps, mma == 1 ? "_wgmma" : "",
+  return fmt::format("bn{}_bt{}_bk{}_s{}_w{}{}{}", bn, bt, bk, stages, warps,
+                     mma == 1 ? "_wgmma" : mma == 3 ? "_tma" : "",
                      ctas > 0 ? fmt::format("_c{}", ctas) : "");
 }
 
@@ -68,9 +70,10 @@ LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& c
   info.smem = smem;
   cudaDeviceProp prop{};
   FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  if (cfg.mma == 1 && prop.major != 9)
-    throw ResourceError(fmt::format("fp4moe: tile config {} uses wgmma, which exists on sm_90a only; {} is sm_{}{}",
-                                    cfg.name(), prop.name, prop.major, prop.minor));
+  if ((cfg.mma == 1 || cfg.mma == 3) && prop.major != 9)
+    throw ResourceError(fmt::format("fp4moe: tile config {} uses wgmma{}, which exists on sm_90a only; {} is sm_{}{}",
+                                    cfg.name(), cfg.mma == 3 ? " and setmaxnreg" : "", prop.name, prop.major,
+                                    prop.minor));
   if (smem > prop.sharedMemPerBlockOptin)
     throw ResourceError(fmt::format(
         "fp4moe: tile config {} needs {} B of shared memory per block{}; {} (sm_{}{}) allows {} B (over by {} B)",
@@ -206,6 +209,7 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
     p.x_out = static_cast<__nv_bfloat16*>(xa->out);
     p.x_max_rows = static_cast<int>(xa->max_rows);
   }
+  if (cfg.mma == 3) detail::encode_tma_maps(p.tma, cfg, w, args, xw, xa);
   detail::launch(fn, dim3(grid), dim3(cfg.threads()), info.smem, stream, args.programmatic_launch, p);
 }
 
@@ -251,12 +255,18 @@ TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, c
   TileConfig want;
   if (r <= 1.5 && c2_fits) want = c2;
   else if (r <= 8) want = TileConfig{384, 8, 64, 5, 24, 2, 1};
-  else if (r <= 16) want = TileConfig{256, 16, 64, 8, 16, 2, 1};
+  else if (r <= 16 && !(arch.has(kWgmma) && k128)) want = TileConfig{256, 16, 64, 8, 16, 2, 1};
+  // Hopper, 8 rows per expert and more: the TMA-fed wgmma kernel, whose per-tile width follows the rows
+  // (GLM-5 GEMMs, bench/NOTES.md: T = 256 0.77 of the read ceiling vs 0.68, T = 512 0.71 vs 0.48,
+  // T = 1024 0.54 vs 0.47, T = 4096 0.58 of the bf16 rate vs 0.42); 64-wide K stages where K is
+  // not a multiple of 128
+  else if (arch.has(kWgmma) && r <= 32 && k128) want = TileConfig{256, 32, 128, 8, 8, 3};
+  else if (arch.has(kWgmma) && r <= 64) want = TileConfig{256, 64, 64, 12, 8, 3};
+  else if (arch.has(kWgmma)) want = TileConfig{128, 256, 64, 5, 8, 3};
+  // elsewhere mma.sync pipelines
   else if (!k128) want = rows_per_expert <= 48 ? TileConfig{128, 32, 64, 8, 8} : TileConfig{256, 64, 64, 4, 8};
   else if (r <= 32) want = TileConfig{128, 32, 128, 5, 8};
   else if (r <= 64) want = TileConfig{128, 64, 128, 4, 8};
-  // prefill: Hopper's wgmma with the widest token tile the rows fill
-  else if (arch.has(kWgmma)) want = r <= 192 ? TileConfig{128, 128, 64, 4, 8, 1} : TileConfig{128, 256, 64, 4, 8, 1};
   else want = TileConfig{128, 128, 64, 4, 8};
   const int experts = 1;  // the expert count does not change which configs are valid below kMaxExperts
   auto usable = [&](const TileConfig& c) {  // stream configs: their activation rows span K

@@ -20,13 +20,16 @@ struct TileConfig {
   int stages = 4;   // cp.async pipeline depth
   int warps = 8;    // math warps; warp w owns m16 tiles [w*wm, (w+1)*wm) of the feature tile
   int mma = 0;      // 0: mma.sync.m16n8k16 per warp (sm_80+); 1: wgmma m64nBTk16 per warpgroup (sm_90a);
-                    // 2: "stream" decode kernel (mma.sync, weights streamed global -> registers, see below)
+                    // 2: "stream" decode kernel (mma.sync, weights streamed global -> registers, see below);
+                    // 3: "tma" kernel (sm_90a): a TMA producer warpgroup + `warps` wgmma consumer warps
+                    //    (kernels/sm90_nvfp4_grouped_tma.cuh)
   int ctas = 0;     // CTAs per SM the kernel is compiled for (__launch_bounds__ minimum); 0: the default rule
 
   constexpr int wm() const { return bn / (16 * warps); }
-  constexpr int threads() const { return warps * 32; }
+  // mma 3 adds its producer warpgroup (four warps: setmaxnreg works per warpgroup) to the consumers
+  constexpr int threads() const { return (warps + (mma == 3 ? 4 : 0)) * 32; }
   constexpr bool operator==(const TileConfig&) const = default;
-  std::string name() const;  // "bn128_bt64_bk128_s4_w8" (+ "_wgmma", + "_c3"); stream: "stream_bt8_w32_d4_c1"
+  std::string name() const;  // "bn128_bt64_bk128_s4_w8" (+ "_wgmma" or "_tma", + "_c3"); stream: "stream_bt8_w32_d4_c1"
 };
 
 // Stream configs (mma = 2), the decode kernel (kernels/sm80_nvfp4_grouped_stream.cuh): each warp streams
@@ -63,6 +66,8 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 // Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:
 //   [stage 0 .. stages-1] each = activations | codes | scales, padded to 1024 bytes
 //   [scheduler] (kMaxExperts + 1) int32 tile prefix + 1 int32 total, 128-byte aligned
+//   [barriers]  tma configs only: a "full" and an "empty" mbarrier (8 B each) per stage and one for the
+//               scheduler's prefix, 128-byte aligned
 // Activations come first in a stage and stages are 1024-byte multiples: the 128-byte-swizzled rows
 // (16-byte chunk c of row r at c ^ (r & 7)) are then exactly wgmma's K-major SWIZZLE_128B layout, whose
 // pattern repeats every 1024 bytes. The epilogue stores from registers, so the next tile's loads stay
@@ -76,6 +81,8 @@ struct GemmSmemLayout {
   size_t stage_bytes;    // act + codes + scales, rounded up to 1024
   size_t sched_offset;
   size_t sched_bytes;
+  size_t bar_offset;     // tma configs: full[stages], empty[stages], then the scheduler's mbarrier
+  size_t bar_bytes;      // 0 for the other kinds
   size_t total_bytes;    // dynamic shared memory requested at launch
 };
 
@@ -89,15 +96,37 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
   l.stage_bytes = align_up(l.scales_offset + l.scales_bytes, 1024);
   l.sched_offset = l.stage_bytes * c.stages;
   l.sched_bytes = align_up((kMaxExperts + 2) * sizeof(int32_t), 128);
-  l.total_bytes = l.sched_offset + l.sched_bytes;
+  l.bar_offset = l.sched_offset + l.sched_bytes;
+  l.bar_bytes = c.mma == 3 ? align_up(static_cast<size_t>(2 * c.stages + 1) * 8, 128) : 0;
+  l.total_bytes = l.bar_offset + l.bar_bytes;
   return l;
 }
+
+// The tma kernel's stage: the bytes its TMA copies complete on the stage's full barrier: codes, scales,
+// and bk/64 activation slabs of `rows` rows (the tile's width: bt/4, bt/2, 3bt/4 or bt; boxes past the
+// tensor's end are zero-filled and still counted). The stage's space is sized for bt rows.
+constexpr uint32_t tma_stage_tx_bytes(const TileConfig& c, int rows) {
+  return static_cast<uint32_t>(c.bn / 16) * (c.bk / 64) * 512 + static_cast<uint32_t>(c.bn / 16) * (c.bk / 64) * 64 +
+         static_cast<uint32_t>(rows) * c.bk * 2;
+}
+
+// tma configs: registers per thread after setmaxnreg. The CTA's pool is what the launch allocates
+// (threads x the launch-bounds count, 65536 / threads rounded down to 8); the producer warpgroup keeps
+// 40 and the consumers split the rest, rounded down to 8: 384 x 168 = 128 x 40 + 256 x 232.
+constexpr int tma_producer_regs(int /*warps*/) { return 40; }
+constexpr int tma_consumer_regs(int warps) {
+  const int threads = (warps + 4) * 32;
+  const int launch = 65536 / threads / 8 * 8;
+  return (launch * threads - 128 * tma_producer_regs(warps)) / (warps * 32) / 8 * 8;
+}
+static_assert(tma_consumer_regs(8) == 232, "two consumer warpgroups get 232 registers each");
 
 // The kernel's __launch_bounds__ minimum CTAs per SM: two while the accumulators are small (decode: one
 // CTA's pipeline bubble at a tile boundary is covered by the other's loads), else one CTA with up to
 // 255 registers (prefill tiles). The planner uses the same function for its register cap.
 constexpr int gemm_min_ctas_per_sm(const TileConfig& c) {
   if (c.mma == 2) return c.ctas > 0 ? c.ctas : 1;
+  if (c.mma == 3) return 1;
   return c.ctas > 0 ? c.ctas : (c.wm() * (c.bt / 8) * 4 > 48 ? 1 : 2);
 }
 
@@ -111,6 +140,15 @@ constexpr bool tile_config_well_formed(const TileConfig& c) {
                       c.bt % 16 == 0 && c.bt >= 16 && c.bk % 64 == 0 && c.bk >= 64 && c.stages >= 2 &&
                       c.ctas >= 0 && c.ctas <= 4;
   if (c.mma == 0) return common && c.bt <= 128;
+  // tma: two consumer warpgroups, each wm() m64 tiles (a warp: wm() m16 tiles); a token tile of 32..256
+  // (the instruction's N is bt/4, bt/2, 3bt/4 or bt per work tile); at most 128 accumulator registers
+  // (wm * bt / 2) beside the A fragments (the planner checks them against tma_consumer_regs); one CTA
+  // per SM. (Three and four consumer warpgroups compiled with setmaxnreg ignored, C7507, and serialized
+  // wgmmas, C7512, under ptxas 13.0: bench/NOTES.md.)
+  if (c.mma == 3)
+    return common && c.warps == 8 &&
+           (c.bt == 32 || c.bt == 64 || c.bt == 128 || c.bt == 256) &&
+           (c.bk == 64 || c.bk == 128) && c.ctas == 0 && c.wm() * c.bt <= 256;
   // wgmma: one warpgroup per 64 features (wm = 1), token tile = the instruction's N
   return c.mma == 1 && common && c.stages >= 3 && c.wm() == 1 && c.warps % 4 == 0 &&
          (c.bt == 64 || c.bt == 128 || c.bt == 256);
@@ -149,6 +187,14 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {384, 16, 64, 4, 24, 2, 1},
     {256, 16, 64, 8, 16, 2, 1},  // bt 16 without spills (120 registers)
     {192, 16, 64, 4, 12, 2, 2},  // two CTAs per SM only where 16 x K x 2 B of rows allow it (GEMM2)
+    // 16-256 rows per expert and prefill, tma kernel (sm_90a): a TMA producer warpgroup fills the stage
+    // ring (one copy each for codes and scales, one per 64-wide activation slab), two wgmma consumer
+    // warpgroups keep a stage of wgmmas in flight; the instruction width follows each tile's rows.
+    {256, 32, 128, 8, 8, 3},
+    {128, 64, 128, 8, 8, 3},
+    {256, 64, 64, 12, 8, 3},     // (bk 128 with two m64 tiles per warpgroup spilled at 232 registers)
+    {128, 128, 64, 10, 8, 3},
+    {128, 256, 64, 5, 8, 3},
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);
 

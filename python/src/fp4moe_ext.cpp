@@ -938,6 +938,8 @@ nb::dict tile_of(const TileConfig& c) {
                     {"warps", nb::cast(c.warps)},
                     {"mma", nb::cast(c.mma == 0   ? std::string("mma.sync")
                                      : c.mma == 1 ? std::string("wgmma")
+                                     : c.mma == 2 ? std::string("stream")
+                                     : c.mma == 3 ? std::string("tma")
                                                   : fmt::format("mma kind {}", c.mma))},
                     {"ctas", nb::cast(c.ctas)}});
 }

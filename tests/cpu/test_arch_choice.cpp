@@ -72,17 +72,19 @@ TEST(ArchChoice, OtherArchitecturesToo) {
 
 TEST(ArchChoice, HopperPicksWgmmaForPrefillBlackwellDoesNot) {
   const ArchInfo h = arch_from_name("sm_90"), b = rtx_pro_6000();
-  // GLM-5 GEMM1 at T = 4096: 128 rows per expert.
-  EXPECT_EQ(heuristic_tile_config(4096, 6144, 128.0, h).mma, 1);
+  // GLM-5 GEMM1 at T = 4096: 128 rows per expert (the TMA-fed wgmma kernel); T = 512: 16 rows.
+  EXPECT_EQ(heuristic_tile_config(4096, 6144, 128.0, h).mma, 3);
+  EXPECT_EQ(heuristic_tile_config(4096, 6144, 16.0, h).mma, 3);
+  EXPECT_EQ(heuristic_tile_config(4096, 6144, 16.0, b).mma, 0);
   EXPECT_EQ(heuristic_tile_config(4096, 6144, 128.0, b).mma, 0);
   EXPECT_EQ(heuristic_tile_config(4096, 6144, 128.0, arch_from_name("sm_100")).mma, 0);
 }
 
 TEST(ArchChoice, HopperPickThatDoesNotFitSm120IsReplacedByTheNearestValidOne) {
-  // ~40 rows per expert: Hopper's pick is bn128_bt64_bk128_s4_w8, 4 stages of 25,600 B + the
-  // scheduler = 104,576 B, more than sm_120's 101,376.
+  // ~40 rows per expert: Hopper's pick is the tma config bn256_bt64_bk64_s12_w8_tma: wgmma, TMA and
+  // setmaxnreg (sm_90a only), 12 stages of 17,408 B, more than sm_120's 101,376 B too.
   const TileConfig hopper = heuristic_tile_config(4096, 6144, 40.0, arch_from_name("sm_90"));
-  EXPECT_EQ(hopper, (TileConfig{128, 64, 128, 4, 8}));
+  EXPECT_EQ(hopper, (TileConfig{256, 64, 64, 12, 8, 3}));
   EXPECT_FALSE(plan_sm80(hopper, rtx_pro_6000()).verdict.valid);
   const TileConfig b = heuristic_tile_config(4096, 6144, 40.0, rtx_pro_6000());
   EXPECT_TRUE(plan_sm80(b, rtx_pro_6000()).verdict.valid) << b.name();
@@ -91,7 +93,7 @@ TEST(ArchChoice, HopperPickThatDoesNotFitSm120IsReplacedByTheNearestValidOne) {
 
 TEST(ArchChoice, LauncherAndPlannerRefuseWgmmaOffHopper) {
   for (const TileConfig& c : kGemmConfigs) {
-    if (c.mma != 1) continue;
+    if (c.mma != 1 && c.mma != 3) continue;
     for (const char* a : {"sm_100", "sm_120"}) {
       const Sm80Plan p = plan_sm80(c, arch_from_name(a));
       EXPECT_FALSE(p.verdict.valid) << c.name() << " on " << a;
@@ -100,7 +102,10 @@ TEST(ArchChoice, LauncherAndPlannerRefuseWgmmaOffHopper) {
   }
   const std::vector<TileConfig> v = valid_sm80_configs(arch_from_name("sm_120"));
   EXPECT_FALSE(v.empty());
-  for (const TileConfig& c : v) EXPECT_NE(c.mma, 1) << c.name();  // mma.sync configs (pipeline and stream) only
+  for (const TileConfig& c : v) {  // mma.sync configs (pipeline and stream) only
+    EXPECT_NE(c.mma, 1) << c.name();
+    EXPECT_NE(c.mma, 3) << c.name();
+  }
 }
 
 TEST(ArchChoice, ChooseConfigForATableArchNeedsNoGpuAndSaysWhy) {

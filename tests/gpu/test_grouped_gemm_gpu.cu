@@ -269,6 +269,33 @@ TEST(GroupedGemmGpu, StreamGlm5DecodeShapes) {
               32);
 }
 
+// tma configs (sm_90a): every instruction width a tile can pick (rows 1, bt/4, bt/4 + 1, ... bt, then a
+// second token tile of one row), a partial feature tile (n = bn + 48), one K stage and several, both
+// epilogues; empty experts in between. Elsewhere the launch must refuse them with the reason.
+TEST(GroupedGemmGpu, TmaConfigsEveryTileWidth) {
+  REQUIRE_GPU();
+  const ArchInfo arch = arch_from_device(0);
+  for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
+    const TileConfig cfg = kGemmConfigs[ci];
+    if (cfg.mma != 3) continue;
+    SCOPED_TRACE(cfg.name());
+    const int q = cfg.bt / 4;
+    const std::vector<int> rows = {1, 0, q, q + 1, 2 * q + 3, 0, 3 * q + 1, cfg.bt, cfg.bt + 1, 2 * cfg.bt + 5};
+    if (!plan_sm80(cfg, arch).verdict.valid) {
+      try {
+        run_problem({cfg.bn + 48, cfg.bk, rows, GemmEpilogue::kPlain}, cfg, 60 + ci);
+        ADD_FAILURE() << "launched although the planner refuses it on " << arch.name;
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("sm_90a"), std::string::npos) << e.what();
+      }
+      continue;
+    }
+    run_problem({cfg.bn + 48, cfg.bk, rows, GemmEpilogue::kPlain, true, true}, cfg, 60 + ci);
+    run_problem({cfg.bn + 48, 3 * cfg.bk, rows, GemmEpilogue::kSwiGLU}, cfg, 61 + ci);
+    run_problem({2 * cfg.bn, 5 * cfg.bk, {cfg.bt + 3, 0, 2}, GemmEpilogue::kPlain, false, true}, cfg, 62 + ci);
+  }
+}
+
 TEST(GroupedGemmGpu, RejectsBadArguments) {
   GroupedWeightsView w;
   w.num_experts = 2; w.n = 128; w.k = 96;

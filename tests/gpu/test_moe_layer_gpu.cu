@@ -25,6 +25,7 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/format_math.hpp"
 #include "fp4moe/moe_layer.hpp"
+#include "fp4moe/planner.hpp"
 #include "fp4moe/reference.hpp"
 #include "../test_common.hpp"
 #include "gpu_test_util.hpp"
@@ -748,6 +749,42 @@ TEST(MoeLayerGpu, StageEventsAndTileOverrides) {
   EXPECT_EQ(layer.tile_configs(T).gemm1, kGemmConfigs[0]);
   const LayerResult other = run_layer(layer, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes(), st.s);
   EXPECT_LT(rel_l2(from_bf16(other.out), from_bf16(base.out)), kRelL2Bound);
+}
+
+// The tma configs (sm_90a) through the layer: routed GEMMs with the shared expert fused into the same
+// launch (its own tensor maps), every tile width (experts of 0..~3x bt/4 rows), against the fp64
+// reference. Elsewhere the planner refuses them and the layer is not run with them.
+TEST(MoeLayerGpu, TmaTilesWithFusedSharedExpertMatchReference) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  const MoeConfig& cfg = preset("tiny");
+  ASSERT_EQ(cfg.num_shared, 1);
+  const uint64_t seed = 77;
+  HostLayer L = build_host_layer(cfg, seed);
+  VectorExperts experts(std::vector<ExpertWeights>(L.experts.begin(), L.experts.end() - 1),
+                        std::vector<ExpertWeights>{L.experts.back()});
+  const ArchInfo arch = arch_from_device(0);
+  Stream st;
+  const int64_t max_T = 300;
+  MoeLayer layer(cfg, L.w, max_T, st.s);
+  OwnedDeviceBuffer ws(layer.workspace_bytes()), out(max_T * cfg.hidden * 2);
+  int ran = 0;
+  for (const TileConfig& c : kGemmConfigs) {
+    if (c.mma != 3 || !plan_sm80(c, arch).verdict.valid) continue;
+    if (cfg.hidden % c.bk != 0 || cfg.intermediate % c.bk != 0) continue;
+    MoeTileConfigs tiles;
+    tiles.gemm1 = tiles.gemm2 = tiles.shared_gemm1 = tiles.shared_gemm2 = c;
+    layer.set_tile_configs(tiles);
+    for (int64_t T : {int64_t{37}, max_T}) {
+      SCOPED_TRACE(testing::Message() << c.name() << " T=" << T);
+      const std::vector<float> hidden = make_synthetic_hidden(cfg, seed + T, T);
+      const std::vector<float> logits = make_synthetic_router_logits(cfg, seed + 2 * T, T);
+      OwnedDeviceBuffer dh = upload(to_bf16(hidden)), dl = upload(logits);
+      const LayerResult r = run_layer(layer, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes(), st.s);
+      expect_close_to_reference(cfg, experts, hidden, r, all_tokens(T));
+    }
+    ++ran;
+  }
+  if (ran == 0) GTEST_SKIP() << "no tma config is valid on " << arch.name << " (they need sm_90a)";
 }
 
 TEST(MoeLayerGpu, ForwardRejectsBadArguments) {

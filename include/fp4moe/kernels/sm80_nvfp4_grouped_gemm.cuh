@@ -20,6 +20,7 @@
 #pragma once
 #include <cstdint>
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 
 #include "fp4moe/kernels/pdl.cuh"
@@ -31,6 +32,17 @@
 namespace fp4moe::kernels {
 
 enum EpilogueKind : int { kEpiPlain = 0, kEpiSwiGLU = 1, kEpiGptOss = 2 };
+
+// TMA tensor maps of the tma configs (TileConfig::mma == 3), encoded per launch by the host
+// (src/sm90_tensor_maps.cu); unused (zero) for the other kinds. Per weight set: codes as 8-byte
+// elements [experts * n/16 m-tile rows][k] (an m-tile row is k/64 chunks of 512 B), scales as 8-byte
+// elements [experts * n/16][k/8], activations as bf16 [max_rows][k] with the 128-byte swizzle, one map
+// per token-tile width the kernel picks (box rows bt/4, bt/2, 3bt/4, bt): a tile copies only the rows
+// its wgmma width reads.
+struct GroupedGemmTmaMaps {
+  CUtensorMap codes, scales, act[4];
+  CUtensorMap x_codes, x_scales, x_act[4];
+};
 
 struct GroupedGemmParams {
   const uint8_t* codes;         // repacked, expert stride n*k/2
@@ -68,6 +80,7 @@ struct GroupedGemmParams {
   // Stream kernel: offsets are final at launch (GroupedGemmArgs::offsets_ready_at_launch), so the
   // schedule and the weight ring come before griddepcontrol.wait.
   int weights_before_wait;
+  GroupedGemmTmaMaps tma;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

@@ -1,0 +1,247 @@
+// sm90-nvfp4-grouped, tma configs (TileConfig::mma == 3): the 16-256-rows-per-expert and prefill
+// kernel. Device code only; the host launcher is src/sm80_nvfp4_grouped_gemm.cu (shared with the other
+// kinds), the tensor maps are encoded in src/sm90_tensor_maps.cpp.
+//
+// Why a third kernel (docs/kernel-design.md): the pipeline configs' wgmma path has every warp issue
+// cp.asyncs and dequantize, a CTA barrier per stage, and at most two wgmmas in flight; at ~32 rows per
+// expert it also pads its 64-token tile. Here:
+// - A producer warpgroup (one elected thread) fills a ring of `stages` shared-memory stages with TMA
+//   tensor copies: one copy for the stage's codes (bn/16 m-tile rows x bk/64 chunks of 512 B), one for
+//   its scales, one per 64-wide slab of activation rows (128-byte swizzle: wgmma's K-major layout).
+//   Each stage completes on its "full" mbarrier by transaction bytes; the consumers release it on its
+//   "empty" mbarrier. The producer runs ahead across tiles, so the next tile's weights stream during
+//   the current tile's epilogue. setmaxnreg hands the producer's registers to the consumers.
+// - Two consumer warpgroups split the tile's bn features (wm() m64 tiles each). Per stage a warp reads
+//   its codes and scales from shared memory once, dequantizes each k16 step into its own A registers and
+//   issues its wgmmas; a step's A registers are rewritten only after the wgmma that read them one stage
+//   earlier retired (wgmma.wait_group<k16 steps - 1>), so up to a stage of wgmmas is in flight under
+//   the dequantization.
+// - The instruction's N follows the tile's rows: bt/4, bt/2, 3bt/4 or bt tokens (one branch per tile),
+//   so an expert of 33 rows in a 64-token tile costs a 48-wide wgmma, not a 64-wide one.
+// - Work tiles (expert, feature tile, token tile) and the epilogue are the pipeline kernel's
+//   (sm80_nvfp4_grouped_gemm.cuh): the same rounding, stores from registers.
+#pragma once
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "fp4moe/kernels/nvfp4_dequant.cuh"
+#include "fp4moe/kernels/pdl.cuh"
+#include "fp4moe/kernels/sm80_nvfp4_grouped_gemm.cuh"
+#include "fp4moe/kernels/sm90_tma.cuh"
+#include "fp4moe/kernels/sm90_wgmma.cuh"
+#include "fp4moe/tile_config.hpp"
+
+namespace fp4moe::kernels {
+
+template <int BN, int BT, int BK, int STAGES, int WARPS, int EPI>
+struct TmaConsumer {
+  static constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS, 3, 0};
+  static constexpr GemmSmemLayout kL = gemm_smem_layout(kCfg);
+  static constexpr int WM = BN / (16 * WARPS);  // m16 tiles per warp = m64 tiles per warpgroup
+  static constexpr int KC = BK / 64;            // 64-wide chunks per stage
+  static constexpr int KS = BK / 16;            // k16 steps per stage
+  static constexpr int NT = BT / 8;
+  // A-fragment register sets: a k16 step's set is rewritten NB steps later, after the wgmma that read it
+  // retired (wgmma.wait_group<NB - 1>), so NB - 1 wgmma groups stay in flight under the dequantization.
+  // A whole stage (KS sets) where registers allow; two m64 tiles per warpgroup double the accumulators,
+  // and ptxas serializes the wgmmas (C7512) unless the sets shrink to four.
+  static constexpr int NB = WM == 2 ? 4 : KS;
+
+  // One work tile's K loop with wgmma width N; returns with the accumulators complete (all retired).
+  // stage/phase: the ring position, carried across tiles.
+  template <int N>
+  __device__ __forceinline__ static void mainloop(const GroupedGemmParams& p, const uint8_t* smem, uint32_t smem_base,
+                                                  uint32_t bar_full, uint32_t bar_empty, int KT, int cw,
+                                                  float (&acc)[WM][NT][4], int& stage, uint32_t& phase) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int wg = cw >> 2, wq = cw & 3;
+    const uint32_t scale_mul = p.scale_mul, scale_add = p.scale_add;
+    uint32_t a[NB][WM][4];
+    int prev = -1;  // the stage whose wgmmas may still be in flight
+    for (int kt = 0; kt < KT; ++kt) {
+      mbar_wait(bar_full + 8 * stage, phase);
+      const uint32_t st = smem_base + static_cast<uint32_t>(stage) * static_cast<uint32_t>(kL.stage_bytes);
+      const uint8_t* st_codes = smem + stage * kL.stage_bytes + kL.codes_offset;
+      const uint8_t* st_scales = smem + stage * kL.stage_bytes + kL.scales_offset;
+      // plain loads: mbar_wait's memory clobber keeps them after the wait, and the completed
+      // transaction makes the TMA's writes visible to them
+      uint4 words[WM][KC];
+      uint2 sc[WM][KC];
+#pragma unroll
+      for (int i = 0; i < WM; ++i) {
+        const int mt = (wg * WM + i) * 4 + wq;  // this warp's m16 tile within the CTA tile
+#pragma unroll
+        for (int c = 0; c < KC; ++c) {
+          words[i][c] = *reinterpret_cast<const uint4*>(st_codes + ((mt * KC + c) * 32 + lane) * 16);
+          sc[i][c] = *reinterpret_cast<const uint2*>(st_scales + (mt * KC + c) * 64 + g * 8);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < KS; ++q) {
+        // a[q % NB] was read by the group NB steps back: retire it (the NB - 1 later groups run on)
+        wgmma_wait<NB - 1>();
+        // every group of the previous stage has retired: its shared memory may be refilled. A predicated
+        // arrive, not a branch: control flow between a wgmma and its wait makes ptxas serialize the
+        // wgmmas (C7513)
+        if (q == NB - 1) mbar_arrive_if(bar_empty + 8 * prev, prev >= 0 && lane == 0);
+        const int c = q >> 2, j = q & 3;
+#pragma unroll
+        for (int i = 0; i < WM; ++i) {
+          const uint32_t w = j == 0 ? words[i][c].x : j == 1 ? words[i][c].y : j == 2 ? words[i][c].z : words[i][c].w;
+          const uint32_t sw = j < 2 ? sc[i][c].x : sc[i][c].y;
+          // bytes (row g, row g+8) of k16 block j -> the two 16-bit halves
+          dequant_fragment(w, decode_scale_pair(__byte_perm(sw, 0u, (j & 1) ? 0x4342u : 0x4140u), scale_mul, scale_add),
+                           a[q % NB][i]);
+        }
+        wgmma_fence();
+        const uint64_t desc = wgmma_desc_k_major_sw128(st + c * BT * 128 + j * 32);
+#pragma unroll
+        for (int i = 0; i < WM; ++i) wgmma_rs<N>(acc[i], a[q % NB][i], desc, (kt == 0 && q == 0) ? 0 : 1);
+        wgmma_commit();
+      }
+      prev = stage;
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    wgmma_wait<0>();
+    mbar_arrive_if(bar_empty + 8 * prev, prev >= 0 && lane == 0);
+  }
+};
+
+template <int BN, int BT, int BK, int STAGES, int WARPS, int EPI>
+__global__ void __launch_bounds__((WARPS + 4) * 32, 1)
+    sm90_nvfp4_grouped_tma_kernel(const __grid_constant__ GroupedGemmParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using C = TmaConsumer<BN, BT, BK, STAGES, WARPS, EPI>;
+  static_assert(tile_config_well_formed(C::kCfg), "tma config is malformed: see tile_config_well_formed()");
+  constexpr GemmSmemLayout kL = C::kL;
+  constexpr TileConfig kCfg = C::kCfg;
+  constexpr int MT = BN / 16;
+  constexpr int KC = BK / 64;
+  static_assert(kL.stage_bytes % 1024 == 0 && (BT * 128) % 1024 == 0,
+                "activation slabs must start on the 1024-byte period of the 128-byte swizzle");
+
+  pdl_wait();  // offsets and activation rows are the predecessor's results
+  pdl_launch_dependents();
+
+  extern __shared__ __align__(128) uint8_t smem[];  // 1024-byte alignment: checked below
+  int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + kL.sched_offset);
+  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t bar_full = smem_base + static_cast<uint32_t>(kL.bar_offset);
+  const uint32_t bar_empty = bar_full + 8 * STAGES;
+  const uint32_t bar_sched = bar_empty + 8 * STAGES;  // the scheduler's prefix is written
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int KT = p.k / BK;
+
+  if (tid == 0) {
+    if ((smem_base & 1023u) != 0) __trap();  // the swizzled slabs need a 1024-byte aligned base
+#pragma unroll 1
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bar_full + 8 * s, 1);          // the producer's arrive (+ transaction bytes)
+      mbar_init(bar_empty + 8 * s, WARPS);     // one arrive per consumer warp
+    }
+    mbar_init(bar_sched, 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  // Register reallocation splits the roles here, each setmaxnreg in a branch that holds only its role's
+  // code: ptxas allocates code before the split within the smaller budget (a schedule computed there
+  // spilled) and ignores a setmaxnreg whose region reaches code that needs more (C7507). So the
+  // scheduler's prefix is built after the split by the first consumer warp, which signals the producer
+  // on an mbarrier and the other consumers with a named barrier. Registers per thread after the split:
+  // tma_producer_regs / tma_consumer_regs (tile_config.hpp).
+  auto tiles_of_cta = [&]() {
+    const int total_tiles = s_prefix[kMaxExperts + 1];
+    return total_tiles > static_cast<int>(blockIdx.x)
+               ? (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1
+               : 0;
+  };
+
+  if (warp < 4) {
+    // ---- producer warpgroup ----
+    setmaxnreg_dec<tma_producer_regs(WARPS)>();
+    if (tid != 0) return;
+    mbar_wait(bar_sched, 0);
+    const int my_tiles = KT > 0 ? tiles_of_cta() : 0;
+    // computed in each role's region: a value carried across the split was spilled
+    const int E = p.num_experts + (p.x_offsets != nullptr ? 1 : 0);
+    tma_prefetch_map(&p.tma.codes);
+    tma_prefetch_map(&p.tma.scales);
+    const uint64_t pol_w = l2_policy_evict_first(), pol_a = l2_policy_evict_last();
+    int stage = 0;
+    uint32_t phase = 0;
+#pragma unroll 1
+    for (int ti = 0; ti < my_tiles; ++ti) {
+      const WorkTile t =
+          decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
+      // the consumers' width choice (below), and the activation map whose box has that many rows
+      const int wsel = min((t.rows - 1) / (BT / 4), 3);
+      const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
+      const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
+      const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
+      const CUtensorMap* m_act = (t.extra ? p.tma.x_act : p.tma.act) + wsel;
+      const int mrow = (t.extra ? 0 : t.expert * (p.n / 16)) + t.ftile * MT;  // first m-tile row of the map
+#pragma unroll 1
+      for (int kt = 0; kt < KT; ++kt) {
+        mbar_wait(bar_empty + 8 * stage, phase ^ 1u);  // a fresh barrier passes parity 1 at once
+        const uint32_t full = bar_full + 8 * stage;
+        mbar_arrive_expect_tx(full, tx);
+        const uint32_t st = smem_base + static_cast<uint32_t>(stage) * static_cast<uint32_t>(kL.stage_bytes);
+        tma_load_2d(st + static_cast<uint32_t>(kL.codes_offset), m_codes, kt * BK, mrow, full, pol_w);
+        tma_load_2d(st + static_cast<uint32_t>(kL.scales_offset), m_scales, kt * (BK / 8), mrow, full, pol_w);
+#pragma unroll
+        for (int c = 0; c < KC; ++c) tma_load_2d(st + c * BT * 128, m_act, kt * BK + c * 64, t.row0, full, pol_a);
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1u;
+        }
+      }
+    }
+    return;
+  }
+
+  // ---- consumer warpgroups ----
+  setmaxnreg_inc<tma_consumer_regs(WARPS)>();
+  const int E = p.num_experts + (p.x_offsets != nullptr ? 1 : 0);
+  if (warp == 4) {
+    const int ftiles = (p.n + BN - 1) / BN;
+    build_expert_prefix(p, E, lane, s_prefix, [&](int rows) { return ((rows + BT - 1) / BT) * ftiles; });
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar_sched);  // release: the prefix is visible to the producer's wait
+  }
+  named_barrier_sync(1, WARPS * 32);  // the prefix is visible to every consumer warp
+  const int my_tiles = KT > 0 ? tiles_of_cta() : 0;
+  const int cw = warp - 4;
+  float acc[C::WM][C::NT][4];
+  int stage = 0;
+  uint32_t phase = 0;
+#pragma unroll 1
+  for (int ti = 0; ti < my_tiles; ++ti) {
+    const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
+    // the narrowest of bt/4, bt/2, 3bt/4, bt that covers the tile's rows (uniform over the CTA)
+    switch (min((t.rows - 1) / (BT / 4), 3)) {
+      case 0: C::template mainloop<BT / 4>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
+      case 1: C::template mainloop<BT / 2>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
+      case 2: C::template mainloop<3 * BT / 4>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
+      default: C::template mainloop<BT>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
+    }
+    const int valid_nt = (t.rows + 7) >> 3;
+    const int wg = cw >> 2, wq = cw & 3;
+#pragma unroll
+    for (int i = 0; i < C::WM; ++i)
+      store_mtile<C::NT, EPI>(p, t.expert, t.extra, t.ftile * MT + (wg * C::WM + i) * 4 + wq, t.row0, t.rows,
+                              valid_nt, acc[i]);
+  }
+#else
+  __trap();  // TMA + wgmma + setmaxnreg: sm_90a only; the launcher refuses these configs elsewhere
+#endif
+}
+
+}  // namespace fp4moe::kernels
