@@ -98,9 +98,8 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
   const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4;
   const size_t sched_pad = pad_to(sched, 128);
   p.sched_bytes = sched + sched_pad;
-  // tma configs: a "full" and an "empty" mbarrier of 8 bytes per stage, and one that says the
-  // scheduler's prefix is written, after the scheduler.
-  const size_t bars = c.mma == 3 ? (static_cast<size_t>(c.stages) * 2 + 1) * 8 : 0;
+  // tma configs: a "full" and an "empty" mbarrier of 8 bytes per stage, after the scheduler.
+  const size_t bars = c.mma == 3 ? static_cast<size_t>(c.stages) * 2 * 8 : 0;
   const size_t bars_pad = pad_to(bars, 128);
   p.barrier_bytes = bars + bars_pad;
   p.total_bytes = p.sched_offset + p.sched_bytes + p.barrier_bytes;
@@ -126,8 +125,7 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
                                 sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
        p.sched_bytes);
   if (c.mma == 3)
-    line("mbarriers", fmt::format("(stages * 2 + 1) * 8 = ({} * 2 + 1) * 8 (full + empty per stage, schedule){}",
-                                  c.stages,
+    line("mbarriers", fmt::format("stages * 2 * 8 = {} * 2 * 8 (full + empty per stage){}", c.stages,
                                   bars_pad ? fmt::format(" + {} pad", bars_pad) : ""),
          p.barrier_bytes);
   line("total dynamic shared memory", c.mma == 3 ? "pipeline + scheduler + mbarriers" : "pipeline + scheduler",
@@ -226,7 +224,7 @@ Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_sm
     // tma configs: each stage also has two 8-byte mbarriers (their region padded to 128 bytes)
     while (cfg.mma == 3 && p.max_stages_that_fit > 0 &&
            fixed + p.max_stages_that_fit * p.smem.stage_bytes +
-                   (p.max_stages_that_fit * 16 + 8 + 127) / 128 * 128 > limit)
+                   (p.max_stages_that_fit * 16 + 127) / 128 * 128 > limit)
       --p.max_stages_that_fit;
   }
 

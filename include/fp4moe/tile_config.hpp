@@ -66,8 +66,7 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 // Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:
 //   [stage 0 .. stages-1] each = activations | codes | scales, padded to 1024 bytes
 //   [scheduler] (kMaxExperts + 1) int32 tile prefix + 1 int32 total, 128-byte aligned
-//   [barriers]  tma configs only: a "full" and an "empty" mbarrier (8 B each) per stage and one for the
-//               scheduler's prefix, 128-byte aligned
+//   [barriers]  tma configs only: a "full" and an "empty" mbarrier (8 B each) per stage, 128-byte aligned
 // Activations come first in a stage and stages are 1024-byte multiples: the 128-byte-swizzled rows
 // (16-byte chunk c of row r at c ^ (r & 7)) are then exactly wgmma's K-major SWIZZLE_128B layout, whose
 // pattern repeats every 1024 bytes. The epilogue stores from registers, so the next tile's loads stay
@@ -81,7 +80,7 @@ struct GemmSmemLayout {
   size_t stage_bytes;    // act + codes + scales, rounded up to 1024
   size_t sched_offset;
   size_t sched_bytes;
-  size_t bar_offset;     // tma configs: full[stages], empty[stages], then the scheduler's mbarrier
+  size_t bar_offset;     // tma configs: full[stages], then empty[stages] mbarriers
   size_t bar_bytes;      // 0 for the other kinds
   size_t total_bytes;    // dynamic shared memory requested at launch
 };
@@ -97,7 +96,7 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
   l.sched_offset = l.stage_bytes * c.stages;
   l.sched_bytes = align_up((kMaxExperts + 2) * sizeof(int32_t), 128);
   l.bar_offset = l.sched_offset + l.sched_bytes;
-  l.bar_bytes = c.mma == 3 ? align_up(static_cast<size_t>(2 * c.stages + 1) * 8, 128) : 0;
+  l.bar_bytes = c.mma == 3 ? align_up(static_cast<size_t>(2 * c.stages) * 8, 128) : 0;
   l.total_bytes = l.bar_offset + l.bar_bytes;
   return l;
 }

@@ -133,7 +133,6 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, 1)
   const uint32_t smem_base = smem_u32(smem);
   const uint32_t bar_full = smem_base + static_cast<uint32_t>(kL.bar_offset);
   const uint32_t bar_empty = bar_full + 8 * STAGES;
-  const uint32_t bar_sched = bar_empty + 8 * STAGES;  // the scheduler's prefix is written
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -147,15 +146,14 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, 1)
       mbar_init(bar_full + 8 * s, 1);          // the producer's arrive (+ transaction bytes)
       mbar_init(bar_empty + 8 * s, WARPS);     // one arrive per consumer warp
     }
-    mbar_init(bar_sched, 1);
     mbar_fence_init();
   }
   __syncthreads();
   // Register reallocation splits the roles here, each setmaxnreg in a branch that holds only its role's
   // code: ptxas allocates code before the split within the smaller budget (a schedule computed there
   // spilled) and ignores a setmaxnreg whose region reaches code that needs more (C7507). So the
-  // scheduler's prefix is built after the split by the first consumer warp, which signals the producer
-  // on an mbarrier and the other consumers with a named barrier. Registers per thread after the split:
+  // scheduler's prefix is built after the split by the first consumer warp; named barrier 1 (the
+  // producer's first warp and every consumer warp) publishes it. Registers per thread after the split:
   // tma_producer_regs / tma_consumer_regs (tile_config.hpp).
   auto tiles_of_cta = [&]() {
     const int total_tiles = s_prefix[kMaxExperts + 1];
@@ -167,8 +165,9 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, 1)
   if (warp < 4) {
     // ---- producer warpgroup ----
     setmaxnreg_dec<tma_producer_regs(WARPS)>();
+    if (warp != 0) return;
+    named_barrier_sync(1, 32 + WARPS * 32);  // the scheduler's prefix is written
     if (tid != 0) return;
-    mbar_wait(bar_sched, 0);
     const int my_tiles = KT > 0 ? tiles_of_cta() : 0;
     // computed in each role's region: a value carried across the split was spilled
     const int E = p.num_experts + (p.x_offsets != nullptr ? 1 : 0);
@@ -213,10 +212,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, 1)
   if (warp == 4) {
     const int ftiles = (p.n + BN - 1) / BN;
     build_expert_prefix(p, E, lane, s_prefix, [&](int rows) { return ((rows + BT - 1) / BT) * ftiles; });
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar_sched);  // release: the prefix is visible to the producer's wait
   }
-  named_barrier_sync(1, WARPS * 32);  // the prefix is visible to every consumer warp
+  named_barrier_sync(1, 32 + WARPS * 32);  // the prefix is visible to the producer and every consumer
   const int my_tiles = KT > 0 ? tiles_of_cta() : 0;
   const int cw = warp - 4;
   float acc[C::WM][C::NT][4];
