@@ -82,9 +82,12 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   FP4MOE_SM90_ASM("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
-// bar.sync on a named barrier (id 1..15) by `threads` threads, a multiple of 32: a subset of the CTA.
+// A named barrier (id 1..15) for `threads` threads, a multiple of 32: a subset of the CTA. The
+// non-aligned barrier.sync: the roles arrive from different call sites, which the aligned bar.sync
+// does not allow (compute-sanitizer synccheck: "divergent thread(s) in block").
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  __syncwarp();
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Register reallocation between warpgroups (all warps of a warpgroup execute it).
