@@ -120,6 +120,16 @@ constexpr int tma_consumer_regs(int warps) {
 }
 static_assert(tma_consumer_regs(8) == 232, "two consumer warpgroups get 232 registers each");
 
+// Whether the tuner may pick config c for a bucket of `rows_per_expert` (tokens * top_k / experts). The
+// tma kernel schedules whole (expert, feature tile, token tile) tiles over the CTAs: below one row per
+// expert (T = 1 and 8 on 256-expert models) the few active experts' tiles, and the shared expert's the
+// layer fuses into the launch, fill the SMs in uneven waves where the stream kernel splits K over all
+// of them. Timed alone, without the shared expert, it still won there (GLM-5 GEMM1 T = 1: 42.8 vs
+// 46.7 us), but the layer lost (106.5 vs 87.6 us): the tuner times it, and does not pick it.
+constexpr bool tuner_may_pick(const TileConfig& c, double rows_per_expert) {
+  return c.mma != 3 || rows_per_expert >= 1.0;
+}
+
 // The kernel's __launch_bounds__ minimum CTAs per SM: two while the accumulators are small (decode: one
 // CTA's pipeline bubble at a tile boundary is covered by the other's loads), else one CTA with up to
 // 255 registers (prefill tiles). The planner uses the same function for its register cap.

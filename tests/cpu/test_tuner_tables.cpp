@@ -291,6 +291,22 @@ TEST(ShippedTuneTables, ServeAnyH200Install) {
     EXPECT_EQ(k.sms, 132) << f;
     EXPECT_FALSE(k.config_list.empty()) << f;
   }
+  // Every shipped pick obeys the tuner's rule (tuner_may_pick): no tma config below one row per expert,
+  // and every bucket's pick is its fastest eligible timing.
+  for (const char* f : {"/h200-glm-5.json", "/h200-kimi-k2.json", "/h200-gpt-oss-120b.json", "/h200-qwen3-30b.json"}) {
+    std::ifstream in(dir + f);
+    const nlohmann::json doc = nlohmann::json::parse(in);
+    for (const auto& e : doc.at("entries"))
+      for (const auto& b : e.at("buckets")) {
+        const double rows = b.at("rows_per_expert").get<double>();
+        EXPECT_TRUE(tuner_may_pick(tile_config_from_json(b.at("best")), rows)) << f << " T=" << b.at("tokens");
+        double fastest = 1e30;
+        for (const auto& t : b.at("timings"))
+          if (tuner_may_pick(tile_config_from_json(t.at("cfg")), rows))
+            fastest = std::min(fastest, t.at("median_us").get<double>());
+        EXPECT_DOUBLE_EQ(b.at("best_us").get<double>(), fastest) << f << " T=" << b.at("tokens");
+      }
+  }
   // Another GPU does not use them.
   TuneKey b200 = h200;
   b200.gpu = "NVIDIA B200";
