@@ -120,14 +120,15 @@ constexpr int tma_consumer_regs(int warps) {
 }
 static_assert(tma_consumer_regs(8) == 232, "two consumer warpgroups get 232 registers each");
 
-// Whether the tuner may pick config c for a bucket of `rows_per_expert` (tokens * top_k / experts). The
-// tma kernel schedules whole (expert, feature tile, token tile) tiles over the CTAs: below one row per
-// expert (T = 1 and 8 on 256-expert models) the few active experts' tiles, and the shared expert's the
-// layer fuses into the launch, fill the SMs in uneven waves where the stream kernel splits K over all
-// of them. Timed alone, without the shared expert, it still won there (GLM-5 GEMM1 T = 1: 42.8 vs
-// 46.7 us), but the layer lost (106.5 vs 87.6 us): the tuner times it, and does not pick it.
+// Whether the tuner may pick config c for a bucket of `rows_per_expert` (tokens * top_k / experts).
+// Below one row per expert (T = 1 and 8 on 256-expert models) only the stream kernel: the layer fuses the
+// shared expert's rows into the routed launch, and the stream kernel splits all of that work evenly over
+// every SM, where the tile-scheduled kernels (pipeline, tma) run the few active experts' tiles in uneven
+// waves. Timed alone, without the shared expert, a tma config still won there (GLM-5 GEMM1 T = 1: 42.8
+// vs 47.3 us) and a pipeline config tied, but the layer lost with them (T = 1: 106.5 and 100.3 us vs
+// 87.6 with the stream kernel): the tuner times every config and picks from the stream configs.
 constexpr bool tuner_may_pick(const TileConfig& c, double rows_per_expert) {
-  return c.mma != 3 || rows_per_expert >= 1.0;
+  return c.mma == 2 || rows_per_expert >= 1.0;
 }
 
 // The kernel's __launch_bounds__ minimum CTAs per SM: two while the accumulators are small (decode: one
