@@ -27,6 +27,7 @@ struct ExplainArgs {
   int stages = 0;
   int warps = 0;
   bool wgmma = false;
+  bool tma = false;
   std::string model;
   int64_t tokens = 0;
   int sms = 0;
@@ -82,7 +83,8 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
   if (!a.tile.empty()) {
     int t[3];
     parse_tile(a.tile, t);
-    TileConfig cfg{t[0], t[1], t[2], 4, 8, a.wgmma ? 1 : 0};
+    FP4MOE_REQUIRE(!(a.wgmma && a.tma), "--wgmma and --tma name different kernels; give one");
+    TileConfig cfg{t[0], t[1], t[2], 4, 8, a.tma ? 3 : a.wgmma ? 1 : 0};
     // Defaults for stages / warps: the instantiated config with this bn x bt x bk (and MMA kind), if any.
     for (const TileConfig& c : kGemmConfigs)
       if (c.bn == cfg.bn && c.bt == cfg.bt && c.bk == cfg.bk && c.mma == cfg.mma) {
@@ -100,9 +102,10 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
     if (tile_config_well_formed(cfg)) {
       fmt::print("shared memory (recounted by the planner):\n");
       print_lines(p.smem.lines);
-      fmt::print("  stages that fit {} B: ({} - {}) / {} = {}\n", with_commas(arch.smem_optin_per_block),
+      fmt::print("  stages that fit {} B: ({} - {}) / {} = {}{}\n", with_commas(arch.smem_optin_per_block),
                  with_commas(arch.smem_optin_per_block), with_commas(p.smem.sched_bytes),
-                 with_commas(p.smem.stage_bytes), p.max_stages_that_fit);
+                 with_commas(p.smem.stage_bytes), p.max_stages_that_fit,
+                 cfg.mma == 3 ? " (with 16 B of mbarriers per stage, in 128-byte blocks)" : "");
       fmt::print("registers (estimate): {}\n", p.regs.formula);
       fmt::print("  expected per thread: {}\n", p.regs.expected);
       fmt::print("CTAs per SM: shared memory {} ({} / ({} + {} reserved)), registers {}, threads {}, CTA cap {} "
@@ -224,6 +227,8 @@ void register_explain(CLI::App& app) {
   cmd->add_option("--stages", args->stages, "pipeline stages (default: the instantiated config's; cutlass: StageCountAutoCarveout)");
   cmd->add_option("--warps", args->warps, "math warps (sm80-nvfp4-grouped)");
   cmd->add_flag("--wgmma", args->wgmma, "sm80-nvfp4-grouped: the wgmma (sm_90a) variant of the tile");
+  cmd->add_flag("--tma", args->tma,
+                "sm80-nvfp4-grouped: the tma kernel's variant of the tile (sm_90a: TMA producer + wgmma consumers)");
   cmd->add_option("--model", args->model, "model preset for the problem (glm-5, deepseek-v3, ...)");
   cmd->add_option("--tokens", args->tokens, "tokens T of the problem (rows per expert = T * top_k / E)");
   cmd->add_option("--sms", args->sms, "number of SMs (default: the device's, else the table's product)");
