@@ -1,6 +1,6 @@
-// sm90-nvfp4-grouped, tma configs (TileConfig::mma == 3): the 16-256-rows-per-expert and prefill
-// kernel. Device code only; the host launcher is src/sm80_nvfp4_grouped_gemm.cu (shared with the other
-// kinds), the tensor maps are encoded in src/sm90_tensor_maps.cpp.
+// sm90-nvfp4-grouped, tma configs (TileConfig::mma == 3): the kernel for ~8 or more rows per expert and
+// prefill. Device code only; the host launcher is src/sm80_nvfp4_grouped_gemm.cu (shared with the other
+// kinds), the tensor maps are encoded in src/sm90_tensor_maps.cu.
 //
 // Why a third kernel (docs/kernel-design.md): the pipeline configs' wgmma path has every warp issue
 // cp.asyncs and dequantize, a CTA barrier per stage, and at most two wgmmas in flight; at ~32 rows per
@@ -13,9 +13,9 @@
 //   the current tile's epilogue. setmaxnreg hands the producer's registers to the consumers.
 // - Two consumer warpgroups split the tile's bn features (wm() m64 tiles each). Per stage a warp reads
 //   its codes and scales from shared memory once, dequantizes each k16 step into its own A registers and
-//   issues its wgmmas; a step's A registers are rewritten only after the wgmma that read them one stage
-//   earlier retired (wgmma.wait_group<k16 steps - 1>), so up to a stage of wgmmas is in flight under
-//   the dequantization.
+//   issues its wgmmas; a step's A registers are rewritten only after the wgmma that read them retired
+//   (wgmma.wait_group<NB - 1>, TmaConsumer::NB), so up to a stage of wgmmas is in flight under the
+//   dequantization.
 // - The instruction's N follows the tile's rows: bt/4, bt/2, 3bt/4 or bt tokens (one branch per tile),
 //   so an expert of 33 rows in a 64-token tile costs a 48-wide wgmma, not a 64-wide one.
 // - Work tiles (expert, feature tile, token tile) and the epilogue are the pipeline kernel's
@@ -33,6 +33,14 @@
 #include "fp4moe/tile_config.hpp"
 
 namespace fp4moe::kernels {
+
+// The wgmma width a work tile of `rows` rows uses: index w of bt/4, bt/2, 3bt/4, bt (the narrowest that
+// covers the rows). The producer sizes the activation copy by it and the consumers the instruction, so
+// both call this one function.
+template <int BT>
+__device__ __forceinline__ int tma_width_index(int rows) {
+  return min((rows - 1) / (BT / 4), 3);
+}
 
 template <int BN, int BT, int BK, int STAGES, int WARPS, int EPI>
 struct TmaConsumer {
@@ -180,8 +188,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, 1)
     for (int ti = 0; ti < my_tiles; ++ti) {
       const WorkTile t =
           decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
-      // the consumers' width choice (below), and the activation map whose box has that many rows
-      const int wsel = min((t.rows - 1) / (BT / 4), 3);
+      // the consumers' width, and the activation map whose box has that many rows
+      const int wsel = tma_width_index<BT>(t.rows);
       const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
       const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
       const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
@@ -222,8 +230,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, 1)
 #pragma unroll 1
   for (int ti = 0; ti < my_tiles; ++ti) {
     const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
-    // the narrowest of bt/4, bt/2, 3bt/4, bt that covers the tile's rows (uniform over the CTA)
-    switch (min((t.rows - 1) / (BT / 4), 3)) {
+    switch (tma_width_index<BT>(t.rows)) {  // uniform over the CTA
       case 0: C::template mainloop<BT / 4>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
       case 1: C::template mainloop<BT / 2>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
       case 2: C::template mainloop<3 * BT / 4>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;

@@ -29,9 +29,6 @@ __device__ __forceinline__ void mbar_fence_init() {
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   FP4MOE_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  FP4MOE_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 // An arrival by the threads with pred set (a predicated instruction, no branch).
 __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
   FP4MOE_SM90_ASM(
