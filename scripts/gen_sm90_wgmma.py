@@ -23,17 +23,9 @@ HEAD = """\
 #pragma once
 #include <cstdint>
 
-namespace fp4moe::kernels {
+#include "fp4moe/kernels/sm90_asm.cuh"  // FP4MOE_SM90_ASM: empty outside sm_90a device passes
 
-// Every wrapper below is only called from code compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); in
-// other device passes they compile to nothing so a multi-architecture build still succeeds.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
-#define FP4MOE_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
-#else
-#define FP4MOE_WGMMA_ASM(...) \\
-  do {                        \\
-  } while (0)
-#endif
+namespace fp4moe::kernels {
 
 // Shared-memory matrix descriptor (PTX "matrix-descriptor"): start address >> 4 in bits 0-13, leading
 // byte offset >> 4 in 16-29 (unused for swizzled K-major: 1), stride byte offset >> 4 in 32-45 (1024 B
@@ -43,11 +35,11 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t smem_addr)
          (uint64_t{1} << 62);
 }
 
-__device__ __forceinline__ void wgmma_fence() { FP4MOE_WGMMA_ASM("wgmma.fence.sync.aligned;\\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { FP4MOE_WGMMA_ASM("wgmma.commit_group.sync.aligned;\\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { FP4MOE_SM90_ASM("wgmma.fence.sync.aligned;\\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { FP4MOE_SM90_ASM("wgmma.commit_group.sync.aligned;\\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
-  FP4MOE_WGMMA_ASM("wgmma.wait_group.sync.aligned %0;\\n" ::"n"(N) : "memory");
+  FP4MOE_SM90_ASM("wgmma.wait_group.sync.aligned %0;\\n" ::"n"(N) : "memory");
 }
 // Shared memory written by cp.async (generic proxy) is read by wgmma (async proxy).
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -63,7 +55,7 @@ def wrapper(n):
              f"__device__ __forceinline__ void wgmma_m64n{n}k16_rs(float (&d)[{n // 8}][4], const uint32_t (&a)[4], "
              "uint64_t desc_b,",
              "                                                  int scale_d) {",
-             "  FP4MOE_WGMMA_ASM(",
+             "  FP4MOE_SM90_ASM(",
              '      "{\\n"',
              '      ".reg .pred p;\\n"',
              f'      "setp.ne.b32 p, %{regs + 5}, 0;\\n"',

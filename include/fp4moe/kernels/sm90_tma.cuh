@@ -1,22 +1,14 @@
 // sm_90 building blocks of the TMA-fed kernel: shared-memory mbarriers, TMA tensor copies that complete
 // on them, L2 cache policies and setmaxnreg. Device code only; the tensor maps are encoded on the host
-// (src/sm90_tensor_maps.cpp).
+// (src/sm90_tensor_maps.cu).
 #pragma once
 #include <cstdint>
 
 #include <cuda.h>  // CUtensorMap (a 128-byte opaque descriptor)
 
-namespace fp4moe::kernels {
+#include "fp4moe/kernels/sm90_asm.cuh"
 
-// TMA, mbarrier transaction counts and setmaxnreg exist from sm_90; the callers are compiled for sm_90a
-// only and trap elsewhere, so in other device passes these are empty.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
-#define FP4MOE_SM90_ASM(...) asm volatile(__VA_ARGS__)
-#else
-#define FP4MOE_SM90_ASM(...) \
-  do {                       \
-  } while (0)
-#endif
+namespace fp4moe::kernels {
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   FP4MOE_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");

@@ -9,17 +9,9 @@
 #pragma once
 #include <cstdint>
 
-namespace fp4moe::kernels {
+#include "fp4moe/kernels/sm90_asm.cuh"  // FP4MOE_SM90_ASM: empty outside sm_90a device passes
 
-// Every wrapper below is only called from code compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); in
-// other device passes they compile to nothing so a multi-architecture build still succeeds.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
-#define FP4MOE_WGMMA_ASM(...) asm volatile(__VA_ARGS__)
-#else
-#define FP4MOE_WGMMA_ASM(...) \
-  do {                        \
-  } while (0)
-#endif
+namespace fp4moe::kernels {
 
 // Shared-memory matrix descriptor (PTX "matrix-descriptor"): start address >> 4 in bits 0-13, leading
 // byte offset >> 4 in 16-29 (unused for swizzled K-major: 1), stride byte offset >> 4 in 32-45 (1024 B
@@ -29,11 +21,11 @@ __device__ __forceinline__ uint64_t wgmma_desc_k_major_sw128(uint32_t smem_addr)
          (uint64_t{1} << 62);
 }
 
-__device__ __forceinline__ void wgmma_fence() { FP4MOE_WGMMA_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { FP4MOE_WGMMA_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { FP4MOE_SM90_ASM("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { FP4MOE_SM90_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
-  FP4MOE_WGMMA_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+  FP4MOE_SM90_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 // Shared memory written by cp.async (generic proxy) is read by wgmma (async proxy).
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -43,7 +35,7 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 // m64n8k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n8k16_rs(float (&d)[1][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %9, 0;\n"
@@ -60,7 +52,7 @@ __device__ __forceinline__ void wgmma_m64n8k16_rs(float (&d)[1][4], const uint32
 // m64n16k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %13, 0;\n"
@@ -78,7 +70,7 @@ __device__ __forceinline__ void wgmma_m64n16k16_rs(float (&d)[2][4], const uint3
 // m64n24k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n24k16_rs(float (&d)[3][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %17, 0;\n"
@@ -97,7 +89,7 @@ __device__ __forceinline__ void wgmma_m64n24k16_rs(float (&d)[3][4], const uint3
 // m64n32k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[4][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %21, 0;\n"
@@ -117,7 +109,7 @@ __device__ __forceinline__ void wgmma_m64n32k16_rs(float (&d)[4][4], const uint3
 // m64n48k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n48k16_rs(float (&d)[6][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %29, 0;\n"
@@ -140,7 +132,7 @@ __device__ __forceinline__ void wgmma_m64n48k16_rs(float (&d)[6][4], const uint3
 // m64n64k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %37, 0;\n"
@@ -165,7 +157,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[8][4], const uint3
 // m64n96k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n96k16_rs(float (&d)[12][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %53, 0;\n"
@@ -195,7 +187,7 @@ __device__ __forceinline__ void wgmma_m64n96k16_rs(float (&d)[12][4], const uint
 // m64n128k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %69, 0;\n"
@@ -230,7 +222,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uin
 // m64n192k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n192k16_rs(float (&d)[24][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %101, 0;\n"
@@ -275,7 +267,7 @@ __device__ __forceinline__ void wgmma_m64n192k16_rs(float (&d)[24][4], const uin
 // m64n256k16, A (bf16) from registers, B (bf16, K-major, 128-byte swizzle) from shared memory.
 __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[32][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                   int scale_d) {
-  FP4MOE_WGMMA_ASM(
+  FP4MOE_SM90_ASM(
       "{\n"
       ".reg .pred p;\n"
       "setp.ne.b32 p, %133, 0;\n"
