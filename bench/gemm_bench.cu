@@ -124,7 +124,8 @@ void record_bf16_expert_gemms(cublasHandle_t h, const Bf16Experts& w, const std:
 
 std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOptions& opt, cudaStream_t stream) {
   const int E = cfg.num_experts;
-  const int64_t H = cfg.hidden, I = cfg.intermediate;
+  // The GEMMs as the kernels run them (an intermediate size that is not a multiple of 64 is zero-padded).
+  const int64_t H = cfg.hidden, I = cfg.kernel_intermediate();
   const int64_t max_t = *std::max_element(opt.tokens.begin(), opt.tokens.end());
   const int64_t max_rows = max_t * cfg.top_k;
   int dev = 0;

@@ -169,7 +169,9 @@ EpWorkspaceLayout ep_workspace_layout(const MoeConfig& cfg, const EpPartition& p
   l.max_step = ep_step_layout(cfg, part, rank, capacity.max_tokens, capacity.capacity_factor);
   const EpStepLayout& s = l.max_step;
   const int64_t T = capacity.max_tokens, k = cfg.top_k, E = cfg.num_experts, El = part.count(rank);
-  const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
+  // GEMM1 outputs as wide as the kernels run them (MoeConfig::kernel_intermediate).
+  const int64_t H = cfg.hidden, I = cfg.kernel_intermediate();
+  const int64_t Is = cfg.num_shared > 0 ? cfg.kernel_shared_intermediate() : 0;
   const int64_t n = T * k, R = s.recv_rows;
   size_t off = 0;
   auto take = [&](int64_t bytes) {
@@ -331,16 +333,17 @@ MoeLayerWeights ep_slice_weights(const MoeConfig& cfg, const MoeLayerWeights& al
   FP4MOE_REQUIRE(begin >= 0 && count >= 1 && begin + count <= cfg.num_experts,
                  "ep_slice_weights: experts [{}, {}) must lie in [0, E = {}) and hold at least one", begin,
                  begin + count, cfg.num_experts);
-  const int64_t H = cfg.hidden, I = cfg.intermediate, b = begin;
+  // Scales per expert: one byte per 16 (NVFP4 E4M3) or 32 (MXFP4 E8M0) weights along K.
+  const int64_t H = cfg.hidden, I = cfg.intermediate, b = begin, sb = cfg.scale_block();
   MoeLayerWeights w = all;
   auto off = [&](const auto* p, int64_t per_expert) -> decltype(p) { return p == nullptr ? p : p + b * per_expert; };
   w.w13_codes = off(all.w13_codes, 2 * I * H / 2);
-  w.w13_scales = off(all.w13_scales, 2 * I * H / 16);
+  w.w13_scales = off(all.w13_scales, 2 * I * H / sb);
   w.w13_global = off(all.w13_global, 1);
   w.w13_global_up = off(all.w13_global_up, 1);
   w.b13 = off(all.b13, 2 * I);
   w.w2_codes = off(all.w2_codes, H * I / 2);
-  w.w2_scales = off(all.w2_scales, H * I / 16);
+  w.w2_scales = off(all.w2_scales, H * I / sb);
   w.w2_global = off(all.w2_global, 1);
   w.b2 = off(all.b2, H);
   return w;

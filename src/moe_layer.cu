@@ -16,6 +16,7 @@
 #include "fp4moe/kernels/routing_topk.cuh"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/tuner.hpp"
+#include "fp4moe/weight_padding.hpp"
 #include "launch.hpp"
 #include "moe_layer_internal.hpp"
 
@@ -43,9 +44,41 @@ OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stre
   return b;
 }
 
+void pad_copy_device(const PadCopy& c, const void* src, void* dst, cudaStream_t stream) {
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(dst, 0, c.dst_bytes, stream));
+  FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(dst, c.dpitch, src, c.spitch, c.width, c.height, cudaMemcpyDeviceToDevice,
+                                      stream));
+}
+
 RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const float* global,
                          const float* global_up, const float* bias, int num_experts, int64_t n, int64_t k,
-                         bool gate_up, WeightFormat format, cudaStream_t stream) {
+                         bool gate_up, WeightFormat format, cudaStream_t stream, int64_t n_pad, int64_t k_pad) {
+  if (n_pad == 0) n_pad = n;
+  if (k_pad == 0) k_pad = k;
+  if (n_pad != n || k_pad != k) {
+    // Zero-padded copies of the caller's tensors (weight_padding.hpp), repacked like any others. They
+    // must outlive the repack's reads, hence the synchronization before they go.
+    const GemmPadPlan plan = gemm_pad_plan(num_experts, n, k, n_pad, k_pad, gate_up, format);
+    OwnedDeviceBuffer pc(plan.codes.dst_bytes, "zero-padded expert codes");
+    OwnedDeviceBuffer ps(plan.scales.dst_bytes, "zero-padded expert scales");
+    OwnedDeviceBuffer pb(bias != nullptr ? plan.bias.dst_bytes : 0, "zero-padded expert biases");
+    pad_copy_device(plan.codes, codes, pc.get(), stream);
+    pad_copy_device(plan.scales, scales, ps.get(), stream);
+    if (bias != nullptr) pad_copy_device(plan.bias, bias, pb.get(), stream);
+    RepackedGemm g;
+    try {
+      g = repack_gemm(pc.as<uint8_t>(), ps.as<uint8_t>(), global, global_up, bias != nullptr ? pb.as<float>() : nullptr,
+                      num_experts, n_pad, k_pad, gate_up, format, stream);
+    } catch (const Error& e) {
+      // A malformed scale is reported in the padded copy's coordinates; say how they map back.
+      throw Error(fmt::format("{} [counted in the zero-padded copy of the expert weights: {} x {} padded to {} x {}{}]",
+                              e.what(), n, k, n_pad, k_pad,
+                              gate_up && n_pad != n ? fmt::format("; up-projection row r is padded row {} + r", n_pad / 2)
+                                                    : std::string()));
+    }
+    FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return g;
+  }
   RepackedGemm g;
   g.codes = OwnedDeviceBuffer(num_experts * repacked_codes_bytes(n, k), "repacked expert weight codes");
   g.scales = OwnedDeviceBuffer(num_experts * repacked_scales_bytes(n, k), "repacked expert weight scales");
@@ -77,6 +110,7 @@ RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const floa
 }  // namespace detail
 
 using detail::copy_to_owned;
+using detail::pad_copy_device;
 using detail::RepackedGemm;
 using detail::repack_gemm;
 
@@ -383,19 +417,25 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
   FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&m.num_sms, cudaDevAttrMultiProcessorCount, m.device));
 
   const int E = cfg.num_experts;
+  // I and Is as given, Ik and Isk as the kernels run them (zero-padded to multiples of 64,
+  // MoeConfig::kernel_intermediate).
   const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * m.cfg.num_shared;
+  const int64_t Ik = m.cfg.kernel_intermediate(), Isk = m.cfg.kernel_shared_intermediate();
   const WeightFormat f = cfg.format;
   m.gemm1 = repack_gemm(w.w13_codes, w.w13_scales, w.w13_global, w.w13_global_up, w.b13, E, 2 * I, H,
-                        /*gate_up=*/true, f, stream);
-  m.gemm2 = repack_gemm(w.w2_codes, w.w2_scales, w.w2_global, nullptr, w.b2, E, H, I, false, f, stream);
+                        /*gate_up=*/true, f, stream, 2 * Ik, H);
+  m.gemm2 = repack_gemm(w.w2_codes, w.w2_scales, w.w2_global, nullptr, w.b2, E, H, I, false, f, stream, H, Ik);
   if (shared_bf16) {
-    m.shared_w13_bf16 = copy_to_owned(w.shared_w13_bf16, static_cast<size_t>(2 * Is * H) * 2, stream);
-    m.shared_w2_bf16 = copy_to_owned(w.shared_w2_bf16, static_cast<size_t>(H * Is) * 2, stream);
+    // bf16 [2Is, H] (gate rows, up rows) and [H, Is], zero-padded like the NVFP4 experts (cuBLAS runs Isk).
+    m.shared_w13_bf16 = OwnedDeviceBuffer(static_cast<size_t>(2 * Isk * H) * 2, "the bf16 shared expert's gate/up");
+    m.shared_w2_bf16 = OwnedDeviceBuffer(static_cast<size_t>(H * Isk) * 2, "the bf16 shared expert's down projection");
+    pad_copy_device(pad_rows(2, Is, Isk, H * 2), w.shared_w13_bf16, m.shared_w13_bf16.get(), stream);
+    pad_copy_device(pad_cols(H, Is * 2, Isk * 2), w.shared_w2_bf16, m.shared_w2_bf16.get(), stream);
   } else if (m.cfg.num_shared > 0) {
     m.shared1 = repack_gemm(w.shared_w13_codes, w.shared_w13_scales, w.shared_w13_global,
-                            w.shared_w13_global_up, w.shared_b13, 1, 2 * Is, H, true, f, stream);
+                            w.shared_w13_global_up, w.shared_b13, 1, 2 * Is, H, true, f, stream, 2 * Isk, H);
     m.shared2 = repack_gemm(w.shared_w2_codes, w.shared_w2_scales, w.shared_w2_global, nullptr, w.shared_b2,
-                            1, H, Is, false, f, stream);
+                            1, H, Is, false, f, stream, H, Isk);
   }
   m.router_bias = copy_to_owned(w.router_bias, E * sizeof(float), stream);
   if (w.router_weight != nullptr) m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * H) * 2, stream);
@@ -550,7 +590,8 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   detail::run_expert_gemm1(c, gw, gb, tiles, stream);
   if (shared_bf16) {
     // gate_up[T, 2Is] (fp32) = hidden[T, H] . W13[2Is, H]^T; column-major: C[2Is, T] = W13^T-view x hidden
-    const int64_t Is = c.intermediate * c.num_shared;
+    // (Is as the layer runs it: zero-padded to a multiple of 64, like the NVFP4 experts)
+    const int64_t Is = c.kernel_shared_intermediate();
     float* gate_up = reinterpret_cast<float*>(base + m.layout.shared_gate_up);
     const float one = 1.0f, zero = 0.0f;
     FP4MOE_CUBLAS_CHECK(cublasSetStream(m.cublas, stream));
@@ -565,7 +606,7 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   detail::run_expert_gemm2(c, gw, gb, tiles, stream);
   if (shared_bf16) {
     // out[T, H] (bf16) = act[T, Is] . W2[H, Is]^T
-    const int64_t Is = c.intermediate * c.num_shared;
+    const int64_t Is = c.kernel_shared_intermediate();
     const float one = 1.0f, zero = 0.0f;
     FP4MOE_CUBLAS_CHECK(cublasGemmEx(m.cublas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(H), static_cast<int>(tokens),
                                      static_cast<int>(Is), &one, m.shared_w2_bf16.get(), CUDA_R_16BF,

@@ -14,10 +14,13 @@
 #include "fp4moe/config.hpp"
 #include "fp4moe/grouped_gemm.hpp"
 #include "fp4moe/moe_layer.hpp"
+#include "fp4moe/weight_padding.hpp"
 
 namespace fp4moe::detail {
 
 OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stream);
+// The device side of a PadCopy (weight_padding.hpp): zero dst, then the strided copy from src.
+void pad_copy_device(const PadCopy& c, const void* src, void* dst, cudaStream_t stream);
 
 // One grouped GEMM's weights repacked into memory the layer owns, and the view the kernel reads.
 struct RepackedGemm {
@@ -26,10 +29,13 @@ struct RepackedGemm {
 };
 
 // format: NVFP4 (global = the [E] FP32 scales) or MXFP4 (the repack computes each expert's FP32 scale
-// from its E8M0 exponents; global is ignored).
+// from its E8M0 exponents; global is ignored). n_pad / k_pad (0 = n / k): the size the kernels run;
+// the caller's n x k tensors are zero-padded to it first (weight_padding.hpp; gate_up pads each half),
+// and a malformed scale is then reported with the mapping back to the caller's rows.
 RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const float* global,
                          const float* global_up, const float* bias, int num_experts, int64_t n, int64_t k,
-                         bool gate_up, WeightFormat format, cudaStream_t stream);
+                         bool gate_up, WeightFormat format, cudaStream_t stream, int64_t n_pad = 0,
+                         int64_t k_pad = 0);
 
 // Automatic tile configs per token bucket [2^b, 2^(b+1)), b = 0 .. log2(max_tokens): tuner cache, else
 // heuristic, for the problems of `cfg` (all cfg.num_experts experts, cfg.top_k). Resolved once at

@@ -26,7 +26,6 @@ void require_opt(const void* p, const char* name, size_t align) {
 
 void validate_moe_layer_config(const MoeConfig& cfg) {
   cfg.validate();
-  // NVFP4 (16-wide blocks) and MXFP4 (32-wide) both fit: hidden and intermediate are multiples of 64.
   // The router keeps one group score per lane of a warp.
   FP4MOE_REQUIRE(cfg.router != RouterKind::kSigmoidGrouped || cfg.n_group <= 32,
                  "config '{}': n_group = {} must be <= 32 (the GPU router holds one group per warp lane)",
@@ -115,7 +114,9 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens
   FP4MOE_REQUIRE(rows <= INT32_MAX / 2,
                  "max_tokens * top_k = {} * {} = {} rows exceeds the int32 row index range", max_tokens,
                  cfg.top_k, rows);
-  const int64_t E = cfg.num_experts, H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
+  // The intermediates are as wide as the kernels run them (zero-padded, MoeConfig::kernel_intermediate).
+  const int64_t E = cfg.num_experts, H = cfg.hidden, I = cfg.kernel_intermediate();
+  const int64_t Is = cfg.num_shared > 0 ? cfg.kernel_shared_intermediate() : 0;
   MoeWorkspaceLayout l;
   size_t off = 0;
   auto take = [&](size_t bytes) {
@@ -144,7 +145,8 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens
 MoeResolvedTileConfigs moe_layer_tile_configs(const MoeConfig& cfg, int64_t tokens, const ArchInfo& arch,
                                               std::vector<TuneLookup>* why) {
   const int E = cfg.num_experts;
-  const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * cfg.num_shared;
+  // The GEMM shapes the kernels run (intermediate zero-padded to a multiple of 64).
+  const int64_t H = cfg.hidden, I = cfg.kernel_intermediate(), Is = cfg.kernel_shared_intermediate();
   const GemmEpilogue act =
       cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
   const TuneProblem p1{E, cfg.top_k, 2 * I, H, act};

@@ -1,4 +1,5 @@
 // Model presets (values and sources: docs/models.md) and MoeConfig::validate().
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -85,11 +86,13 @@ const std::vector<MoeConfig>& presets() {
 void MoeConfig::validate() const {
   const std::string& n = name;
   FP4MOE_REQUIRE(hidden > 0 && hidden % 64 == 0,
-                 "config '{}': hidden = {} must be a positive multiple of 64 (the GEMM K step and the "
-                 "NVFP4/MXFP4 scale blocks)", n, hidden);
-  FP4MOE_REQUIRE(intermediate > 0 && intermediate % 64 == 0,
-                 "config '{}': intermediate = {} must be a positive multiple of 64 (the GEMM K step and the "
-                 "NVFP4/MXFP4 scale blocks)", n, intermediate);
+                 "config '{}': hidden = {} must be a positive multiple of 64 (GEMM1's K runs in 64-wide "
+                 "chunks; hidden is not padded)", n, hidden);
+  // intermediate only needs whole scale blocks: the layer pads it to the kernels' 64 (kernel_intermediate).
+  FP4MOE_REQUIRE(intermediate > 0 && intermediate % scale_block() == 0,
+                 "config '{}': intermediate = {} must be a positive multiple of {} (the {} scale block along "
+                 "GEMM2's K; a tensor-parallel slice of the experts must cut at a block boundary)",
+                 n, intermediate, scale_block(), format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4");
   FP4MOE_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts,
                  "config '{}': num_experts = {} must be in [1, {}] (the routing and tile scheduler limit)",
                  n, num_experts, kMaxExperts);
@@ -129,6 +132,23 @@ void MoeConfig::validate() const {
   }
 }
 
+MoeConfig tensor_parallel_slice(const MoeConfig& cfg, int tp) {
+  FP4MOE_REQUIRE(tp >= 1, "tensor parallel: tp = {} must be >= 1", tp);
+  if (tp == 1) return cfg;
+  FP4MOE_REQUIRE(cfg.intermediate % tp == 0 && (cfg.intermediate / tp) % cfg.scale_block() == 0,
+                 "tensor parallel: tp = {} splits config '{}''s intermediate = {} into {} per rank; the slice must be "
+                 "a whole number of {}-wide {} scale blocks (an engine pads the experts first, e.g. to {})",
+                 tp, cfg.name, cfg.intermediate, static_cast<double>(cfg.intermediate) / tp, cfg.scale_block(),
+                 cfg.format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4",
+                 (cfg.intermediate + int64_t{tp} * cfg.scale_block() - 1) / (int64_t{tp} * cfg.scale_block()) * tp *
+                     cfg.scale_block());
+  MoeConfig c = cfg;
+  c.intermediate = cfg.intermediate / tp;
+  c.name = fmt::format("{} tp{}", cfg.name, tp);
+  c.validate();
+  return c;
+}
+
 const MoeConfig& preset(std::string_view name) {
   for (const MoeConfig& c : presets())
     if (c.name == name) return c;
@@ -139,6 +159,27 @@ std::vector<std::string> preset_names() {
   std::vector<std::string> names;
   for (const MoeConfig& c : presets()) names.push_back(c.name);
   return names;
+}
+
+std::vector<std::string> parse_preset_list(std::string_view spec) {
+  std::vector<std::string> out;
+  if (spec == "all") {
+    for (const MoeConfig& c : presets())
+      if (c.name != "tiny") out.push_back(c.name);
+    return out;
+  }
+  size_t at = 0;
+  for (;;) {
+    const size_t comma = spec.find(',', at);
+    const std::string_view name = spec.substr(at, comma == std::string_view::npos ? std::string_view::npos : comma - at);
+    FP4MOE_REQUIRE(!name.empty(), "model list '{}': empty name at position {} (write names separated by commas, or "
+                   "'all'); known presets: {}", spec, at, fmt::join(preset_names(), ", "));
+    const std::string n(preset(name).name);  // throws for an unknown name, listing the known ones
+    if (std::find(out.begin(), out.end(), n) == out.end()) out.push_back(n);
+    if (comma == std::string_view::npos) break;
+    at = comma + 1;
+  }
+  return out;
 }
 
 }  // namespace fp4moe

@@ -22,7 +22,8 @@ namespace fp4moe::cli {
 namespace {
 
 struct BenchArgs {
-  std::string model = "glm-5";
+  std::string model = "glm-5";  // one preset, a comma-separated list, or "all" (parse_preset_list)
+  int tp = 1;                   // tensor-parallel slice of the experts (tensor_parallel_slice)
   std::string mode = "layer";
   std::vector<int64_t> tokens;
   bool no_baseline = false;
@@ -122,7 +123,7 @@ void print_tuner_tables(const MoeConfig& cfg, nlohmann::json& out) {
   out["tuner_tables"] = nlohmann::json::array();
   for (size_t i = 0; i < why.size(); ++i) {
     const TuneLookup& l = why[i];
-    std::printf("tuner table for %s: %s\n", names[i], l.table.empty() ? "none" : l.table.c_str());
+    std::printf("%s: tuner table for %s: %s\n", cfg.name.c_str(), names[i], l.table.empty() ? "none" : l.table.c_str());
     if (l.table.empty()) std::printf("  why: %s\n", l.reason.c_str());
     for (const auto& n : l.notes) std::printf("  note: %s\n", n.c_str());
     out["tuner_tables"].push_back({{"gemm", names[i]}, {"table", l.table}, {"notes", l.notes},
@@ -135,7 +136,13 @@ void print_tuner_tables(const MoeConfig& cfg, nlohmann::json& out) {
 void register_bench(CLI::App& app) {
   auto args = std::make_shared<BenchArgs>();
   auto* sub = app.add_subcommand("bench", "Benchmark on the GPU: ceilings, bf16 baseline, fp4moe (needs a CUDA GPU)");
-  sub->add_option("--model", args->model, "preset (see `fp4moe run --help`)")->capture_default_str();
+  sub->add_option("--model", args->model,
+                  "preset, comma-separated presets (glm-5,kimi-k2,gpt-oss-120b,qwen3-30b), or all (every model "
+                  "preset): one run, the ceilings measured once")
+      ->capture_default_str();
+  sub->add_option("--tp", args->tp,
+                  "benchmark one rank of an N-way tensor-parallel split of the experts (intermediate / N per rank)")
+      ->capture_default_str();
   sub->add_option("--mode", args->mode, "layer (whole MoE layer), gemm (the two expert GEMMs) or both")
       ->check(CLI::IsMember({"layer", "gemm", "both"}))
       ->capture_default_str();
@@ -166,14 +173,17 @@ void register_bench(CLI::App& app) {
       return bench_checkpoint(*ck);
     }
     FP4MOE_REQUIRE(gpu_available(), "bench needs a CUDA GPU and none was found (try `fp4moe run` for the CPU reference)");
-    const MoeConfig& cfg = preset(args->model);
+    std::vector<MoeConfig> cfgs;
+    for (const std::string& name : parse_preset_list(args->model))
+      cfgs.push_back(tensor_parallel_slice(preset(name), args->tp));
     if (args->ep > 0) {
+      FP4MOE_REQUIRE(cfgs.size() == 1, "--ep takes one --model; got {} ('{}')", cfgs.size(), args->model);
       bench::EpBenchOptions o;
       o.ranks = args->ep;
       o.tokens = args->tokens;
       o.capacity_factor = args->capacity_factor;
       o.reps = args->reps;
-      bench::run_ep_bench_command(cfg, o, args->json, commit_id());
+      bench::run_ep_bench_command(cfgs[0], o, args->json, commit_id());
       return;
     }
     cudaStream_t s;
@@ -191,17 +201,22 @@ void register_bench(CLI::App& app) {
                           {"driver", driver},
                           {"runtime", runtime},
                           {"commit", commit_id()},
-                          {"model", cfg.name},
                           {"ceilings", {{"stream_read_tbps", c.stream_read_tbps}, {"bf16_gemm_tflops", c.bf16_tflops}}}};
-    print_tuner_tables(cfg, out);
-    if (args->mode == "gemm" || args->mode == "both") run_gemm_mode(*args, cfg, c, s, out);
-    if (args->mode == "layer" || args->mode == "both") {
-      bench::LayerBenchOptions o;
-      o.tokens = args->tokens;
-      o.baseline = !args->no_baseline;
-      o.breakdown = args->breakdown;
-      o.reps = args->reps;
-      bench::run_layer_bench(cfg, o, c, s, out);
+    // One model: its results at the top level (the format of earlier results files); several: a list.
+    for (const MoeConfig& cfg : cfgs) {
+      nlohmann::json m = {{"model", cfg.name}, {"tp", args->tp}};
+      print_tuner_tables(cfg, m);
+      if (args->mode == "gemm" || args->mode == "both") run_gemm_mode(*args, cfg, c, s, m);
+      if (args->mode == "layer" || args->mode == "both") {
+        bench::LayerBenchOptions o;
+        o.tokens = args->tokens;
+        o.baseline = !args->no_baseline;
+        o.breakdown = args->breakdown;
+        o.reps = args->reps;
+        bench::run_layer_bench(cfg, o, c, s, m);
+      }
+      if (cfgs.size() == 1) out.update(m);
+      else out["models"].push_back(m);
     }
     if (!args->json.empty()) {
       std::ofstream f(args->json);

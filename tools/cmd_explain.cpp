@@ -140,7 +140,7 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
     std::vector<TuneLookup> why;
     const MoeResolvedTileConfigs picks = moe_layer_tile_configs(m, T, arch, &why);
     const TileConfig cfgs[] = {picks.gemm1, picks.gemm2, picks.shared_gemm1, picks.shared_gemm2};
-    const int64_t Is = m.intermediate * m.num_shared;
+    const int64_t Is = m.kernel_shared_intermediate();  // as the kernels run it (zero-padded to 64)
     const int64_t ns[] = {m.gemm1_n(), m.gemm2_n(), 2 * Is, m.hidden}, ks[] = {m.gemm1_k(), m.gemm2_k(), m.hidden, Is};
     const int es[] = {m.num_experts, m.num_experts, 1, 1};
     const double rows[] = {static_cast<double>(T) * m.top_k / m.num_experts, static_cast<double>(T) * m.top_k / m.num_experts,

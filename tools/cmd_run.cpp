@@ -32,6 +32,7 @@ struct RunArgs {
   uint64_t seed = 1;
   int64_t hidden = 0, intermediate = 0;
   int experts = 0, top_k = 0;
+  int tp = 1;  // tensor-parallel slice of the experts
   int threads = 0;
   bool no_round = false;
   bool cpu = false;
@@ -68,7 +69,7 @@ MoeConfig make_config(const RunArgs& a) {
   if (a.top_k) c.top_k = a.top_k;
   if (overridden && !a.model.empty()) c.name += " (shapes overridden)";
   c.validate();
-  return c;
+  return tensor_parallel_slice(c, a.tp);
 }
 
 // The GPU layer on the same synthetic weights (generated on the device, bit-identical to the host
@@ -231,6 +232,8 @@ void register_run(CLI::App& app) {
   cmd->add_option("--intermediate", a->intermediate, "Expert intermediate size I (overrides the preset)");
   cmd->add_option("--experts", a->experts, "Routed experts E (overrides the preset)");
   cmd->add_option("--top-k", a->top_k, "Experts per token (overrides the preset)");
+  cmd->add_option("--tp", a->tp, "One rank of an N-way tensor-parallel split of the experts (intermediate / N; the "
+                  "output is that rank's partial sum)")->capture_default_str();
   cmd->add_option("--threads", a->threads, "CPU threads (0 = all cores)")->capture_default_str();
   cmd->add_flag("--no-round", a->no_round, "Skip the GPU's bf16 rounding points (pure float path; with --cpu)");
   cmd->add_flag("--cpu", a->cpu, "Run the CPU reference even when a GPU is present");
@@ -241,9 +244,9 @@ void register_run(CLI::App& app) {
   cmd->add_flag("--routed-only", ck->routed_only, "With --checkpoint: routed experts only (no shared expert)");
   cmd->callback([a, ck] {
     if (ck->dir.empty()) return run(*a);
-    FP4MOE_REQUIRE(a->model.empty() && !a->hidden && !a->intermediate && !a->experts && !a->top_k,
+    FP4MOE_REQUIRE(a->model.empty() && !a->hidden && !a->intermediate && !a->experts && !a->top_k && a->tp == 1,
                    "--checkpoint takes its shapes from the checkpoint; drop --model/--hidden/--intermediate/"
-                   "--experts/--top-k");
+                   "--experts/--top-k/--tp");
     ck->tokens = a->tokens;
     ck->seed = a->seed;
     ck->cpu = a->cpu;

@@ -38,18 +38,42 @@ struct MoeConfig {
   bool expert_bias = false;      // gpt-oss: GEMM1/GEMM2 biases
   WeightFormat format = WeightFormat::kNvfp4;
 
-  // GEMM shapes per expert: GEMM1 (gate and up fused) N = 2I, K = H; GEMM2 (down) N = H, K = I.
-  int64_t gemm1_n() const { return 2 * intermediate; }
+  // The widths the GEMM kernels run. The repacked weight layout works in 64-wide K chunks, so an
+  // intermediate size that is only a multiple of the scale block (tensor-parallel slices: I = 96, 720;
+  // MXFP4 352) is run as the next multiple of 64: the layer zero-pads each expert's gate and up rows and
+  // its down columns once, at construction (the added features compute exactly 0, so the result equals
+  // the unpadded layer's; docs/format.md, "Intermediate sizes that are not multiples of 64"). Equal to
+  // intermediate when it is a multiple of 64.
+  int64_t kernel_intermediate() const { return (intermediate + 63) / 64 * 64; }
+  // The shared expert's kernel width: intermediate * num_shared rounded up the same way.
+  int64_t kernel_shared_intermediate() const { return (intermediate * num_shared + 63) / 64 * 64; }
+  // The scale block of `format` along K: 16 (NVFP4) or 32 (MXFP4).
+  int scale_block() const { return format == WeightFormat::kMxfp4 ? 32 : 16; }
+
+  // The GEMM problems per expert, as the kernels run them: GEMM1 (gate and up fused) N = 2I, K = H;
+  // GEMM2 (down) N = H, K = I, with I = kernel_intermediate().
+  int64_t gemm1_n() const { return 2 * kernel_intermediate(); }
   int64_t gemm1_k() const { return hidden; }
   int64_t gemm2_n() const { return hidden; }
-  int64_t gemm2_k() const { return intermediate; }
+  int64_t gemm2_k() const { return kernel_intermediate(); }
 
   // Throws fp4moe::Error naming the field and the rule when the config is not runnable.
   void validate() const;
 };
 
+// One rank's slice of a layer whose experts are split tensor-parallel over `tp` ranks: every expert (and
+// the shared expert) keeps intermediate / tp of its features; router, hidden and experts are unchanged,
+// and each rank's output is a partial sum that the engine all-reduces (the down-projection bias, when
+// the model has one, is then added on one rank only: the engine's business). Throws naming tp and the
+// rule when intermediate / tp is not a whole number of scale blocks. tp = 1 returns cfg unchanged.
+MoeConfig tensor_parallel_slice(const MoeConfig& cfg, int tp);
+
 // Presets: glm-5, glm-4.6, deepseek-v3, kimi-k2, qwen3-235b, qwen3-30b, gpt-oss-120b, mixtral-8x7b, tiny.
 const MoeConfig& preset(std::string_view name);   // throws naming the unknown preset and the known ones
 std::vector<std::string> preset_names();
+// A list of presets as the command line takes it: comma-separated names ("glm-5,kimi-k2"), or "all" for
+// every model preset (all but "tiny", the test preset). Duplicates are dropped, order kept; an unknown
+// or empty name throws naming it and the known presets.
+std::vector<std::string> parse_preset_list(std::string_view spec);
 
 }  // namespace fp4moe

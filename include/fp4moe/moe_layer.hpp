@@ -80,7 +80,9 @@ struct MoeResolvedTileConfigs {
 };
 
 // Where each intermediate lives inside a workspace (byte offsets from its start, 256-byte aligned;
-// the layout is fixed by max_tokens, not by T).
+// the layout is fixed by max_tokens, not by T). I and Is here are the kernels' widths
+// (cfg.kernel_intermediate(), cfg.kernel_shared_intermediate()): with an intermediate size that is not
+// a multiple of 64 the GEMM1 outputs carry zero columns up to the next multiple of 64.
 struct MoeWorkspaceLayout {
   size_t router_logits = 0;      // fp32 [max_T, E]        (only when the layer has a router weight)
   size_t topk_ids = 0;           // int32 [max_T, k]

@@ -119,8 +119,13 @@ TEST(Presets, ValidateRejectsWithTheRule) {
   c.hidden = 0;
   expect_invalid(c, {"hidden = 0"});
   c = base;
+  c.intermediate = 88;  // whole blocks only: 96 (6 NVFP4 blocks) is valid and padded to 128 by the layer
+  expect_invalid(c, {"intermediate = 88", "multiple of 16", "NVFP4 scale block"});
   c.intermediate = 96;
-  expect_invalid(c, {"intermediate = 96", "multiple of 64"});
+  EXPECT_NO_THROW(c.validate());
+  c.format = WeightFormat::kMxfp4;
+  c.intermediate = 80;
+  expect_invalid(c, {"intermediate = 80", "multiple of 32", "MXFP4 scale block"});
   c = base;
   c.top_k = 9;
   expect_invalid(c, {"top_k = 9", "num_experts = 8"});

@@ -24,6 +24,7 @@
 #include "fp4moe/nvfp4_weight_layout.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "fp4moe/reference.hpp"
+#include "../host_layer_util.hpp"
 #include "../test_common.hpp"
 #include "gpu_test_util.hpp"
 
@@ -100,6 +101,45 @@ void check_layer(const HostMoeLayer& l, const char* what) {
                            ids.begin() + t * l.cfg.top_k);
       EXPECT_GE(same, T - 2) << "router GEMM vs host logits: near-ties may flip a token or two";
     }
+  }
+}
+
+// Intermediate sizes that are not multiples of 64 (tensor-parallel slices): MoeLayer zero-pads the
+// weights on the device (weight_padding.hpp; tests/cpu/test_padding.cpp proves the padded layer equals
+// the unpadded one on the CPU). Here the padded GPU layer against the reference over the unpadded
+// weights: NVFP4 and MXFP4, both activations with biases, a fused and a wide shared expert, a bf16 one.
+TEST(CheckpointGpu, PaddedIntermediateLayersMatchTheReference) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  auto small = [](const char* base, int64_t I, int num_shared) {
+    MoeConfig c = preset(base);
+    c.name = std::string(base) + "-padded";
+    c.hidden = 256;
+    c.intermediate = I;
+    c.num_experts = 16;
+    c.top_k = 4;
+    c.n_group = c.topk_group = 1;
+    c.num_shared = num_shared;
+    return c;
+  };
+  MoeConfig nv_gptoss = small("gpt-oss-120b", 80, 0);
+  nv_gptoss.format = WeightFormat::kNvfp4;
+  const struct {
+    MoeConfig cfg;
+    bool bf16_shared;
+  } cases[] = {
+      {small("qwen3-30b", 96, 0), false},     // qwen3-30b's tp-8 slice width
+      {small("glm-5", 80, 1), false},         // shared expert fused into the routed launches
+      {small("glm-5", 48, 2), false},         // wide shared expert: 96 -> 128, own launches
+      {small("glm-5", 720, 1), false},        // gpt-oss-like tp-4 width with NVFP4 blocks
+      {small("glm-5", 112, 1), true},         // bf16 shared expert (cuBLAS on the padded width)
+      {nv_gptoss, false},                     // clamped SwiGLU + biases, NVFP4
+      {small("gpt-oss-120b", 96, 0), false},  // MXFP4 (32-wide blocks)
+      {small("gpt-oss-120b", 352, 0), false},
+  };
+  for (const auto& c : cases) {
+    const HostMoeLayer l = test::stack_synthetic_layer(c.cfg, 11, c.bf16_shared);
+    check_layer(l, fmt::format("{} I={} shared={}{}", c.cfg.name, c.cfg.intermediate, c.cfg.num_shared,
+                               c.bf16_shared ? " bf16" : "").c_str());
   }
 }
 

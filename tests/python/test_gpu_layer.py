@@ -242,6 +242,25 @@ def test_every_preset_matches_the_torch_oracle(name):
     free(torch)
 
 
+@pytest.mark.parametrize("intermediate,num_shared", [(96, 0), (80, 1), (720, 1)])
+def test_tensor_parallel_widths_match_the_torch_oracle(intermediate, num_shared):
+    """An intermediate size that is a multiple of 16 but not of 64 (a tensor-parallel slice): the layer
+    zero-pads the experts to the next multiple of 64 and must still equal the oracle on the given width."""
+    torch = need_gpu()
+    cfg = fp4moe.make_config({"preset": "tiny", "intermediate": intermediate, "num_shared": num_shared})
+    w = make_weights(torch, cfg, seed=intermediate)
+    layer = fp4moe.MoeLayer(cfg, w, max_tokens=64)
+    for T in (1, 7, 64):
+        hidden, logits = inputs(torch, cfg, w, T, seed=T)
+        ids, weights, _ = route_oracle(torch, cfg, logits, w.get("router_bias"))
+        ref = moe_oracle(torch, cfg, w, hidden, ids, weights)
+        assert ref.float().abs().mean() > 0.05, "the oracle output is degenerate"
+        out = layer.forward(hidden, topk_ids=ids, topk_weights=weights)
+        assert rel_l2(out, ref) < REL_L2, (intermediate, num_shared, T, rel_l2(out, ref))
+    del layer, w
+    free(torch)
+
+
 @pytest.mark.parametrize("T", [300, 2100])
 def test_large_batches_match_the_oracle(T):
     """T * k > 4096 takes the multi-kernel permutation; T = 300 the one-launch one with many blocks."""

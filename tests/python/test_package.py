@@ -146,10 +146,20 @@ def test_mxfp4_weights_from_tensors_are_refused_clearly():
     (dict(HF["deepseek-v3"], scoring_func="sqrtsoftplus"), ValueError, "scoring_func"),
     (dict(HF["qwen3-30b"], hidden_act="gelu"), ValueError, "hidden_act"),
     ({"model_type": "qwen3_moe", "hidden_size": 2048}, ValueError, "expert width"),
+    ({"preset": "qwen3-30b", "intermediate": 40}, fp4moe.Error, "intermediate = 40 must be a positive multiple of 16"),
+    ({"preset": "gpt-oss-120b", "intermediate": 336}, fp4moe.Error, "multiple of 32"),
 ])
 def test_config_errors_name_the_field(config, exc, pattern):
     with pytest.raises(exc, match=pattern):
         fp4moe.make_config(config)
+
+
+def test_tensor_parallel_widths_are_accepted():
+    """A slice that is a whole number of scale blocks but not a multiple of 64 is a valid config: the
+    layer zero-pads it to the next multiple of 64 (its workspace is sized for that width)."""
+    cfg = fp4moe.make_config({"preset": "qwen3-30b", "intermediate": 96})
+    assert cfg.intermediate == 96
+    assert fp4moe.make_config({"preset": "gpt-oss-120b", "intermediate": 352}).intermediate == 352
 
 
 def test_library_errors_carry_no_build_paths():
