@@ -143,6 +143,31 @@ TEST(CheckpointGpu, PaddedIntermediateLayersMatchTheReference) {
   }
 }
 
+// A malformed scale in a layer whose experts are padded: refused, in the padded copy's coordinates with
+// the mapping back to the caller's rows.
+TEST(CheckpointGpu, PaddedLayerReportsABadScaleWithTheMapping) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  MoeConfig c = preset("qwen3-30b");
+  c.hidden = 256;
+  c.intermediate = 96;  // padded to 128
+  c.num_experts = 4;
+  c.top_k = 2;
+  HostMoeLayer l = test::stack_synthetic_layer(c, 3, false);
+  // expert 1, up-projection row 5 (stacked row 96 + 5), k-block 2: E4M3 0x7f is NaN
+  l.w13_scales.data()[(1 * 2 * 96 + 96 + 5) * (256 / 16) + 2] = 0x7f;
+  Stream st;
+  DeviceMoeLayer d = upload_moe_layer(l, st.s);
+  try {
+    MoeLayer layer(d.cfg, d.weights, 8, st.s);
+    FAIL() << "a NaN scale was accepted";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("expert 1, row 133, k-block 2"), std::string::npos) << m;  // padded row 128 + 5
+    EXPECT_NE(m.find("192 x 256 padded to 256 x 256"), std::string::npos) << m;
+    EXPECT_NE(m.find("up-projection row r is padded row 128 + r"), std::string::npos) << m;
+  }
+}
+
 TEST(CheckpointGpu, EveryFixtureLayerMatchesTheReference) {
   FP4MOE_SKIP_WITHOUT_GPU();
   for (const char* name : kFixtures) {
