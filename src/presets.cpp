@@ -136,9 +136,9 @@ MoeConfig tensor_parallel_slice(const MoeConfig& cfg, int tp) {
   FP4MOE_REQUIRE(tp >= 1, "tensor parallel: tp = {} must be >= 1", tp);
   if (tp == 1) return cfg;
   FP4MOE_REQUIRE(cfg.intermediate % tp == 0 && (cfg.intermediate / tp) % cfg.scale_block() == 0,
-                 "tensor parallel: tp = {} splits config '{}''s intermediate = {} into {} per rank; the slice must be "
-                 "a whole number of {}-wide {} scale blocks (an engine pads the experts first, e.g. to {})",
-                 tp, cfg.name, cfg.intermediate, static_cast<double>(cfg.intermediate) / tp, cfg.scale_block(),
+                 "tensor parallel: tp = {} splits intermediate = {} of config '{}' into {} per rank; the slice must "
+                 "be a whole number of {}-wide {} scale blocks (an engine pads the experts first, e.g. to {})",
+                 tp, cfg.intermediate, cfg.name, static_cast<double>(cfg.intermediate) / tp, cfg.scale_block(),
                  cfg.format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4",
                  (cfg.intermediate + int64_t{tp} * cfg.scale_block() - 1) / (int64_t{tp} * cfg.scale_block()) * tp *
                      cfg.scale_block());

@@ -172,10 +172,10 @@ void register_bench(CLI::App& app) {
       ck->json = args->json;
       return bench_checkpoint(*ck);
     }
-    FP4MOE_REQUIRE(gpu_available(), "bench needs a CUDA GPU and none was found (try `fp4moe run` for the CPU reference)");
-    std::vector<MoeConfig> cfgs;
+    std::vector<MoeConfig> cfgs;  // the arguments first: a bad model name is reported without a GPU too
     for (const std::string& name : parse_preset_list(args->model))
       cfgs.push_back(tensor_parallel_slice(preset(name), args->tp));
+    FP4MOE_REQUIRE(gpu_available(), "bench needs a CUDA GPU and none was found (try `fp4moe run` for the CPU reference)");
     if (args->ep > 0) {
       FP4MOE_REQUIRE(cfgs.size() == 1, "--ep takes one --model; got {} ('{}')", cfgs.size(), args->model);
       bench::EpBenchOptions o;
