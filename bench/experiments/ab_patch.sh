@@ -2,12 +2,14 @@
 # A/B of one experiment patch on a GPU machine (README.md beside this file), logs into OUTDIR/ab.txt:
 # A = this tree, B = this tree with the patch; the layer benchmark alternated three times, then B's
 # GPU tests of the kernels the patch touches.
-#   bench/experiments/ab_patch.sh OUTDIR [PATCH] [MODELS] [TOKENS] [GTEST_FILTER]
-# Defaults: stream-first-rows-early.patch, glm-5 and qwen3-30b, T = 1,8,64, the stream and layer tests.
+#   bench/experiments/ab_patch.sh OUTDIR PATCH [MODELS] [TOKENS] [GTEST_FILTER]
+# Defaults: glm-5 and qwen3-30b, T = 1,8,64, the stream, layer and checkpoint GPU tests.
+# Device time is scarce: prebuilt binaries (built here, carried compressed) spare the two builds; this
+# script builds both trees itself for a machine that has the build tools.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: ab_patch.sh OUTDIR [PATCH] [MODELS] [TOKENS] [GTEST_FILTER]}
-PATCH=${2:-bench/experiments/stream-first-rows-early.patch}
+OUT=${1:?usage: ab_patch.sh OUTDIR PATCH [MODELS] [TOKENS] [GTEST_FILTER]}
+PATCH=${2:?usage: ab_patch.sh OUTDIR PATCH [MODELS] [TOKENS] [GTEST_FILTER]}
 MODELS=${3:-glm-5,qwen3-30b}
 TOKENS=${4:-1,8,64}
 FILTER=${5:-*Stream*:MoeLayerGpu.*:GroupedGemmGpu.*:CheckpointGpu.*}

@@ -39,11 +39,11 @@ struct MoeConfig {
   WeightFormat format = WeightFormat::kNvfp4;
 
   // The widths the GEMM kernels run. The repacked weight layout works in 64-wide K chunks, so an
-  // intermediate size that is only a multiple of the scale block (tensor-parallel slices: I = 96, 720;
-  // MXFP4 352) is run as the next multiple of 64: the layer zero-pads each expert's gate and up rows and
-  // its down columns once, at construction (the added features compute exactly 0, so the result equals
-  // the unpadded layer's; docs/format.md, "Intermediate sizes that are not multiples of 64"). Equal to
-  // intermediate when it is a multiple of 64.
+  // intermediate size that is only a multiple of the scale block (a tensor-parallel slice: qwen3-30b at
+  // tp 8 has I = 96; gpt-oss's MXFP4 at tp 2, 1440) is run as the next multiple of 64. The layer
+  // zero-pads each expert's gate and up rows and its down columns once, at construction; the added
+  // features compute exactly 0, so the result equals the unpadded layer's (docs/format.md, "Intermediate
+  // sizes that are not multiples of 64"). Equal to intermediate when it is a multiple of 64.
   int64_t kernel_intermediate() const { return (intermediate + 63) / 64 * 64; }
   // The shared expert's kernel width: intermediate * num_shared rounded up the same way.
   int64_t kernel_shared_intermediate() const { return (intermediate * num_shared + 63) / 64 * 64; }
