@@ -310,10 +310,15 @@ MoeResolvedTileConfigs pick_tiles(const std::vector<MoeResolvedTileConfigs>& aut
 // of its token tiles streams the shared weights once more (no L2 reuse: rounds of one CTA), so beyond 8
 // token tiles it gets launches of its own with its own config: GLM-5 at T = 128 with 8-token tiles
 // made 16 passes (layer 0.70 of the read ceiling); separate launches at T = 32 cost ~60 us more than
-// four passes (0.74 vs ~0.78). Pipeline configs run a wave's token tiles of one feature tile together
-// (shared through L2) and always fuse.
+// four passes (0.74 vs ~0.78). The tma configs follow the same rule: fused, every token tile of the
+// routed tile width dequantizes the shared weights once more; beyond 8 tiles (GLM-5 from T = 512) the
+// shared expert's own launch with its own, wider tile wins (same-machine A/B: GLM-5 / Kimi-K2 T = 1024
+// -1 to -3%, T = 4096 -0 to -1.4%; separating it already at 8 tiles, T = 256, lost 2-3.5%;
+// bench/NOTES.md). Pipeline configs run a wave's token tiles of one feature tile together (shared
+// through L2) and always fuse.
 bool fuse_shared_expert(const MoeConfig& c, bool shared, int64_t shared_rows, const TileConfig& routed) {
-  return c.num_shared == 1 && shared && (routed.mma != 2 || shared_rows <= 8 * static_cast<int64_t>(routed.bt));
+  const bool few_tiles = shared_rows <= 8 * static_cast<int64_t>(routed.bt);
+  return c.num_shared == 1 && shared && (few_tiles || (routed.mma != 2 && routed.mma != 3));
 }
 
 void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
