@@ -378,10 +378,26 @@ nlohmann::json merge_tune_cache(const nlohmann::json& existing, const nlohmann::
   if (fresh.contains("provenance")) out["provenance"] = fresh.at("provenance");
   for (const auto& e : fresh.at("entries")) {
     auto& entries = out["entries"];
-    bool replaced = false;
-    for (auto& old : entries)
-      if (old.at("problem_key") == e.at("problem_key")) old = e, replaced = true;
-    if (!replaced) entries.push_back(e);
+    bool found = false;
+    for (auto& old : entries) {
+      if (old.at("problem_key") != e.at("problem_key")) continue;
+      found = true;
+      // Same problem: the new run's buckets replace the old ones of the same T, the others stay (a run
+      // of one new bucket extends a table), in token order; the entry's other fields are the new run's.
+      nlohmann::json buckets = old.value("buckets", nlohmann::json::array());
+      for (const auto& b : e.value("buckets", nlohmann::json::array())) {
+        bool replaced = false;
+        for (auto& ob : buckets)
+          if (ob.value("tokens", int64_t{-1}) == b.value("tokens", int64_t{-2})) ob = b, replaced = true;
+        if (!replaced) buckets.push_back(b);
+      }
+      std::stable_sort(buckets.begin(), buckets.end(), [](const nlohmann::json& x, const nlohmann::json& y) {
+        return x.value("tokens", int64_t{0}) < y.value("tokens", int64_t{0});
+      });
+      old = e;
+      old["buckets"] = std::move(buckets);
+    }
+    if (!found) entries.push_back(e);
   }
   return out;
 }

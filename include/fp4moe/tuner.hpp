@@ -101,9 +101,10 @@ struct TuneOptions {
 // (format in tune/README.md). Problems must satisfy check_problem_sm80 for at least one config.
 nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOptions& opt, int device = 0);
 
-// Merges `entries` of a new tuner run into an existing table JSON of the same key (replacing equal
-// problem keys; the provenance becomes the new run's); returns the new document. A different key or
-// format replaces the document.
+// Merges `entries` of a new tuner run into an existing table JSON of the same key: for a problem already
+// there, the new run's buckets replace the buckets of the same T and the others are kept (so a run of
+// one new bucket extends a table), sorted by T; a new problem is added; the provenance becomes the new
+// run's. Returns the new document. A different key or format replaces the document.
 nlohmann::json merge_tune_cache(const nlohmann::json& existing, const nlohmann::json& fresh);
 
 std::string epilogue_name(GemmEpilogue e);

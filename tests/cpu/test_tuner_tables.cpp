@@ -241,16 +241,32 @@ TEST_F(TuneTables, MissingTableFallsBack) {
   EXPECT_NE(err.find("does not exist"), std::string::npos);
 }
 
-TEST_F(TuneTables, MergeReplacesSameProblemAndTakesTheNewProvenance) {
-  nlohmann::json a = valid_doc(key_);
+TEST_F(TuneTables, MergeReplacesAndAddsBucketsAndTakesTheNewProvenance) {
+  nlohmann::json a = valid_doc(key_);  // buckets 1, 32, 512
   TuneKey newer = key_;
   newer.cuda_driver = 13020;
   nlohmann::json b = valid_doc(newer);
-  b["entries"][0]["buckets"] = nlohmann::json::array({{{"tokens", 8}, {"best", tile_config_to_json(kGemmConfigs[3])}}});
+  // a run of two buckets: 8 is new, 32 replaces the old one
+  b["entries"][0]["buckets"] = nlohmann::json::array({{{"tokens", 32}, {"best", tile_config_to_json(kGemmConfigs[4])}},
+                                                      {{"tokens", 8}, {"best", tile_config_to_json(kGemmConfigs[3])}}});
   const nlohmann::json m = merge_tune_cache(a, b);
   ASSERT_EQ(m["entries"].size(), 1u);
-  EXPECT_EQ(m["entries"][0]["buckets"].size(), 1u);
+  const nlohmann::json& bk = m["entries"][0]["buckets"];
+  ASSERT_EQ(bk.size(), 4u);
+  const int64_t want_t[] = {1, 8, 32, 512};
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(bk[i]["tokens"].get<int64_t>(), want_t[i]);
+  EXPECT_EQ(bk[1]["best"], tile_config_to_json(kGemmConfigs[3]));
+  EXPECT_EQ(bk[2]["best"], tile_config_to_json(kGemmConfigs[4]));  // replaced
+  EXPECT_EQ(bk[0]["best"], a["entries"][0]["buckets"][0]["best"]);  // kept
   EXPECT_EQ(m["provenance"]["cuda_driver"], 13020);
+  // The merged table serves the new bucket, and the kept ones.
+  const std::string path = write("merged.json", m.dump());
+  EXPECT_EQ(*lookup_tuned_config(problem_, 8, newer, path).config, kGemmConfigs[3]);
+  EXPECT_EQ(*lookup_tuned_config(problem_, 600, newer, path).config, kGemmConfigs[2]);
+  // A new problem is added beside the old one.
+  nlohmann::json c = valid_doc(newer);
+  c["entries"][0]["problem_key"] = "E8_N64_K64_nvfp4_bf16_plain";
+  EXPECT_EQ(merge_tune_cache(m, c)["entries"].size(), 2u);
   TuneKey other = key_;
   other.gpu = "Other";
   EXPECT_EQ(merge_tune_cache(valid_doc(other), b), b);
