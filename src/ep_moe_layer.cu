@@ -79,24 +79,14 @@ void EpMoeLayer::Impl::init(const MoeConfig& c, const MoeLayerWeights& w, int ex
   else all[0] = mine;
   part = ep_check_handshake(all, rank);
 
-  const int El = expert_count;
-  // I and Is as given, Ik and Isk as the kernels run them (zero-padded, MoeConfig::kernel_intermediate).
-  const int64_t H = c.hidden, I = c.intermediate, Is = I * c.num_shared;
-  const int64_t Ik = c.kernel_intermediate(), Isk = c.kernel_shared_intermediate();
   FP4MOE_REQUIRE(w.shared_w13_bf16 == nullptr && w.shared_w2_bf16 == nullptr && !w.routed_only,
                  "EpMoeLayer: a bf16 shared expert and routed_only are MoeLayer options, not supported here; pass "
                  "the shared expert as NVFP4 weights, or a config with num_shared = 0");
-  const WeightFormat f = c.format;
-  gemm1 = detail::repack_gemm(w.w13_codes, w.w13_scales, w.w13_global, w.w13_global_up, w.b13, El, 2 * I, H,
-                              /*gate_up=*/true, f, stream, 2 * Ik, H);
-  gemm2 = detail::repack_gemm(w.w2_codes, w.w2_scales, w.w2_global, nullptr, w.b2, El, H, I, false, f, stream, H,
-                              Ik);
-  if (c.num_shared > 0) {
-    shared1 = detail::repack_gemm(w.shared_w13_codes, w.shared_w13_scales, w.shared_w13_global,
-                                  w.shared_w13_global_up, w.shared_b13, 1, 2 * Is, H, true, f, stream, 2 * Isk, H);
-    shared2 = detail::repack_gemm(w.shared_w2_codes, w.shared_w2_scales, w.shared_w2_global, nullptr, w.shared_b2,
-                                  1, H, Is, false, f, stream, H, Isk);
-  }
+  detail::LayerGemms g = detail::repack_layer_gemms(c, w, expert_count, stream);
+  gemm1 = std::move(g.gemm1);
+  gemm2 = std::move(g.gemm2);
+  shared1 = std::move(g.shared1);
+  shared2 = std::move(g.shared2);
   router_bias = detail::copy_to_owned(w.router_bias, c.num_experts * sizeof(float), stream);
   auto_tiles = detail::resolve_auto_tiles(c, world * capacity.max_tokens, arch_from_device(device));
   layout = ep_workspace_layout(c, part, rank, capacity);

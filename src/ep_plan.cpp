@@ -171,7 +171,7 @@ EpWorkspaceLayout ep_workspace_layout(const MoeConfig& cfg, const EpPartition& p
   const int64_t T = capacity.max_tokens, k = cfg.top_k, E = cfg.num_experts, El = part.count(rank);
   // GEMM1 outputs as wide as the kernels run them (MoeConfig::kernel_intermediate).
   const int64_t H = cfg.hidden, I = cfg.kernel_intermediate();
-  const int64_t Is = cfg.num_shared > 0 ? cfg.kernel_shared_intermediate() : 0;
+  const int64_t Is = cfg.kernel_shared_intermediate();  // 0 without a shared expert
   const int64_t n = T * k, R = s.recv_rows;
   size_t off = 0;
   auto take = [&](int64_t bytes) {

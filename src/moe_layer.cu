@@ -107,6 +107,24 @@ RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const floa
   return g;
 }
 
+LayerGemms repack_layer_gemms(const MoeConfig& c, const MoeLayerWeights& w, int E, cudaStream_t stream) {
+  // I and Is as given, Ik and Isk as the kernels run them.
+  const int64_t H = c.hidden, I = c.intermediate, Is = I * c.num_shared;
+  const int64_t Ik = c.kernel_intermediate(), Isk = c.kernel_shared_intermediate();
+  const WeightFormat f = c.format;
+  LayerGemms g;
+  g.gemm1 = repack_gemm(w.w13_codes, w.w13_scales, w.w13_global, w.w13_global_up, w.b13, E, 2 * I, H,
+                        /*gate_up=*/true, f, stream, 2 * Ik, H);
+  g.gemm2 = repack_gemm(w.w2_codes, w.w2_scales, w.w2_global, nullptr, w.b2, E, H, I, false, f, stream, H, Ik);
+  if (c.num_shared > 0 && w.shared_w13_codes != nullptr) {
+    g.shared1 = repack_gemm(w.shared_w13_codes, w.shared_w13_scales, w.shared_w13_global, w.shared_w13_global_up,
+                            w.shared_b13, 1, 2 * Is, H, true, f, stream, 2 * Isk, H);
+    g.shared2 = repack_gemm(w.shared_w2_codes, w.shared_w2_scales, w.shared_w2_global, nullptr, w.shared_b2, 1, H,
+                            Is, false, f, stream, H, Isk);
+  }
+  return g;
+}
+
 }  // namespace detail
 
 using detail::copy_to_owned;
@@ -422,28 +440,22 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
   FP4MOE_CUDA_CHECK(cudaDeviceGetAttribute(&m.num_sms, cudaDevAttrMultiProcessorCount, m.device));
 
   const int E = cfg.num_experts;
-  // I and Is as given, Ik and Isk as the kernels run them (zero-padded to multiples of 64,
-  // MoeConfig::kernel_intermediate).
-  const int64_t H = cfg.hidden, I = cfg.intermediate, Is = I * m.cfg.num_shared;
-  const int64_t Ik = m.cfg.kernel_intermediate(), Isk = m.cfg.kernel_shared_intermediate();
-  const WeightFormat f = cfg.format;
-  m.gemm1 = repack_gemm(w.w13_codes, w.w13_scales, w.w13_global, w.w13_global_up, w.b13, E, 2 * I, H,
-                        /*gate_up=*/true, f, stream, 2 * Ik, H);
-  m.gemm2 = repack_gemm(w.w2_codes, w.w2_scales, w.w2_global, nullptr, w.b2, E, H, I, false, f, stream, H, Ik);
+  detail::LayerGemms g = detail::repack_layer_gemms(m.cfg, w, E, stream);
+  m.gemm1 = std::move(g.gemm1);
+  m.gemm2 = std::move(g.gemm2);
+  m.shared1 = std::move(g.shared1);
+  m.shared2 = std::move(g.shared2);
   if (shared_bf16) {
     // bf16 [2Is, H] (gate rows, up rows) and [H, Is], zero-padded like the NVFP4 experts (cuBLAS runs Isk).
+    const int64_t H = cfg.hidden, Is = cfg.intermediate * m.cfg.num_shared, Isk = m.cfg.kernel_shared_intermediate();
     m.shared_w13_bf16 = OwnedDeviceBuffer(static_cast<size_t>(2 * Isk * H) * 2, "the bf16 shared expert's gate/up");
     m.shared_w2_bf16 = OwnedDeviceBuffer(static_cast<size_t>(H * Isk) * 2, "the bf16 shared expert's down projection");
     pad_copy_device(pad_rows(2, Is, Isk, H * 2), w.shared_w13_bf16, m.shared_w13_bf16.get(), stream);
     pad_copy_device(pad_cols(H, Is * 2, Isk * 2), w.shared_w2_bf16, m.shared_w2_bf16.get(), stream);
-  } else if (m.cfg.num_shared > 0) {
-    m.shared1 = repack_gemm(w.shared_w13_codes, w.shared_w13_scales, w.shared_w13_global,
-                            w.shared_w13_global_up, w.shared_b13, 1, 2 * Is, H, true, f, stream, 2 * Isk, H);
-    m.shared2 = repack_gemm(w.shared_w2_codes, w.shared_w2_scales, w.shared_w2_global, nullptr, w.shared_b2,
-                            1, H, Is, false, f, stream, H, Isk);
   }
   m.router_bias = copy_to_owned(w.router_bias, E * sizeof(float), stream);
-  if (w.router_weight != nullptr) m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * H) * 2, stream);
+  if (w.router_weight != nullptr)
+    m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * cfg.hidden) * 2, stream);
   if (w.router_weight != nullptr || shared_bf16) {
     m.cublas_workspace = OwnedDeviceBuffer(kCublasWorkspaceBytes, "the layer's cuBLAS workspace");
     FP4MOE_CUBLAS_CHECK(cublasCreate(&m.cublas));

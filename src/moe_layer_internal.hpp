@@ -37,6 +37,15 @@ RepackedGemm repack_gemm(const uint8_t* codes, const uint8_t* scales, const floa
                          bool gate_up, WeightFormat format, cudaStream_t stream, int64_t n_pad = 0,
                          int64_t k_pad = 0);
 
+// The layer's quantized GEMM operands, repacked at the widths the kernels run: GEMM1 (gate/up
+// interleaved) and GEMM2 of `num_experts` stacked experts, and the shared expert's two when cfg has
+// one and `w` gives it quantized (shared1/2 stay empty otherwise). Widths that are not multiples of 64
+// are zero-padded (MoeConfig::kernel_intermediate, kernel_shared_intermediate).
+struct LayerGemms {
+  RepackedGemm gemm1, gemm2, shared1, shared2;
+};
+LayerGemms repack_layer_gemms(const MoeConfig& cfg, const MoeLayerWeights& w, int num_experts, cudaStream_t stream);
+
 // Automatic tile configs per token bucket [2^b, 2^(b+1)), b = 0 .. log2(max_tokens): tuner cache, else
 // heuristic, for the problems of `cfg` (all cfg.num_experts experts, cfg.top_k). Resolved once at
 // construction so forward() never reads the cache file.

@@ -116,7 +116,7 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens
                  cfg.top_k, rows);
   // The intermediates are as wide as the kernels run them (zero-padded, MoeConfig::kernel_intermediate).
   const int64_t E = cfg.num_experts, H = cfg.hidden, I = cfg.kernel_intermediate();
-  const int64_t Is = cfg.num_shared > 0 ? cfg.kernel_shared_intermediate() : 0;
+  const int64_t Is = cfg.kernel_shared_intermediate();  // 0 without a shared expert
   MoeWorkspaceLayout l;
   size_t off = 0;
   auto take = [&](size_t bytes) {

@@ -3,9 +3,11 @@
 // or HostLayerExperts + moe_reference (CPU). No CUDA: both test binaries include it.
 #pragma once
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "fp4moe/checkpoint.hpp"
+#include "fp4moe/config.hpp"
 #include "fp4moe/format_math.hpp"
 #include "fp4moe/reference.hpp"
 
@@ -14,6 +16,21 @@ namespace fp4moe::test {
 inline void put_bytes(HostBytes& dst, const std::vector<uint8_t>& v) {
   dst = HostBytes(v.size());
   std::memcpy(dst.data(), v.data(), v.size());
+}
+
+// A small layer of preset `base`'s router and activation with the given shapes (one expert group), for
+// tests of intermediate sizes the presets do not have.
+inline MoeConfig small_config(const char* base, int64_t hidden, int64_t intermediate, int experts, int top_k,
+                              int num_shared) {
+  MoeConfig c = preset(base);
+  c.name = std::string(base) + "-padded";
+  c.hidden = hidden;
+  c.intermediate = intermediate;
+  c.num_experts = experts;
+  c.top_k = top_k;
+  c.n_group = c.topk_group = 1;
+  c.num_shared = num_shared;
+  return c;
 }
 
 // Experts from make_synthetic_expert(cfg, seed, e) (NVFP4 or MXFP4 by cfg.format), stacked gate rows then

@@ -278,15 +278,7 @@ void expect_padded_layer_equal(const MoeConfig& cfg, bool bf16_shared = false) {
 }
 
 MoeConfig small(const char* base, int64_t I, int num_shared) {
-  MoeConfig c = preset(base);
-  c.name = std::string(base) + "-padded";
-  c.hidden = 128;
-  c.intermediate = I;
-  c.num_experts = 8;
-  c.top_k = 3;
-  c.n_group = c.topk_group = 1;
-  c.num_shared = num_shared;
-  return c;
+  return test::small_config(base, 128, I, 8, 3, num_shared);
 }
 
 TEST(WeightPadding, PaddedLayerEqualsUnpaddedNvfp4) {

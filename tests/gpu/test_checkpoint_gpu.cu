@@ -111,15 +111,7 @@ void check_layer(const HostMoeLayer& l, const char* what) {
 TEST(CheckpointGpu, PaddedIntermediateLayersMatchTheReference) {
   FP4MOE_SKIP_WITHOUT_GPU();
   auto small = [](const char* base, int64_t I, int num_shared) {
-    MoeConfig c = preset(base);
-    c.name = std::string(base) + "-padded";
-    c.hidden = 256;
-    c.intermediate = I;
-    c.num_experts = 16;
-    c.top_k = 4;
-    c.n_group = c.topk_group = 1;
-    c.num_shared = num_shared;
-    return c;
+    return test::small_config(base, 256, I, 16, 4, num_shared);
   };
   MoeConfig nv_gptoss = small("gpt-oss-120b", 80, 0);
   nv_gptoss.format = WeightFormat::kNvfp4;
