@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <utility>
 
 #include "fp4moe/cuda_check.hpp"
@@ -363,6 +364,9 @@ void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   sa.expert_offsets = b.shared_offsets;
   sa.max_rows = b.shared_rows;
   sa.out = b.shared_gemm1_out;
+  // The routed launch follows the permutation directly; a fused shared expert's rows are [0, shared_rows)
+  a.route_ids = b.route_ids;
+  a.route_entries = b.route_entries;
   if (fused_shared) {
     grouped_gemm_nvfp4(*w.gemm1, a, *w.shared1, sa, tiles.gemm1, stream);
   } else {
@@ -602,6 +606,13 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   gb.shared_gemm1_out = shared_gemm1_out;
   gb.shared_gemm2_out = ws.shared_gemm2_out;
   gb.programmatic_launch = true;
+  // GEMM1 counts the ids itself (a few KB, read by every CTA) while the permutation runs, up to the
+  // one-launch permutation's size. EXPERIMENT knob FP4MOE_EXP_NO_ROUTE_IDS=1 (removed once measured).
+  static const bool no_ids = std::getenv("FP4MOE_EXP_NO_ROUTE_IDS") != nullptr;
+  if (!no_ids && n <= kMoeSmallPermuteMaxEntries) {
+    gb.route_ids = topk_ids;
+    gb.route_entries = n;
+  }
   const detail::ExpertGemmWeights gw{&m.gemm1.view, &m.gemm2.view, shared_bf16 ? nullptr : &m.shared1.view,
                                      shared_bf16 ? nullptr : &m.shared2.view};
   detail::run_expert_gemm1(c, gw, gb, tiles, stream);

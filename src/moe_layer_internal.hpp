@@ -72,6 +72,10 @@ struct ExpertGemmBuffers {
   void* shared_gemm1_out = nullptr;        // bf16 [shared_rows, Is]
   void* shared_gemm2_out = nullptr;        // bf16 [shared_rows, H]
   bool programmatic_launch = false;        // GroupedGemmArgs::programmatic_launch of every launch
+  // The routing ids the permutation (the launch right before GEMM1) sorts, complete before it began:
+  // GEMM1's stream configs count them before waiting (GroupedGemmArgs::route_ids). Null: they wait.
+  const int32_t* route_ids = nullptr;
+  int64_t route_entries = 0;
 };
 
 // The weights of the four GEMM calls (shared1/shared2 null when cfg.num_shared == 0 or when the shared

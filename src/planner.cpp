@@ -49,7 +49,9 @@ Sm80SmemPlan plan_stream_smem(const TileConfig& c, int64_t k) {
   p.act_bytes = act + act_pad;
   // One C fragment set per warp for the piece of a split m-tile: (bt/8) n-tiles x 32 lanes x 4 fp32.
   p.slots_bytes = static_cast<size_t>(c.warps) * (c.bt / 8) * 32 * 4 * 4;
-  const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4;
+  // Segment prefix of every expert slot + total, then the rows: routed offsets 0..kMaxExperts and the
+  // extra set's two (kStreamSchedInts).
+  const size_t sched = (static_cast<size_t>(kMaxExperts) + 2) * 4 + (static_cast<size_t>(kMaxExperts) + 3) * 4;
   const size_t sched_pad = pad_to(sched, 128);
   p.sched_bytes = sched + sched_pad;
   p.sched_offset = p.act_bytes + p.slots_bytes;
@@ -64,8 +66,9 @@ Sm80SmemPlan plan_stream_smem(const TileConfig& c, int64_t k) {
   p.lines.push_back({"partial accumulators",
                      fmt::format("warps * (bt/8) * 32 lanes * 16 = {} * {} * 32 * 16", c.warps, c.bt / 8),
                      p.slots_bytes});
-  p.lines.push_back({"scheduler", fmt::format("(kMaxExperts + 2) * 4 = ({} + 2) * 4{}", kMaxExperts,
-                                              sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
+  p.lines.push_back({"scheduler (prefix + expert rows)",
+                     fmt::format("((kMaxExperts + 2) + (kMaxExperts + 3)) * 4 = ({} + 2 + {} + 3) * 4{}", kMaxExperts,
+                                 kMaxExperts, sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
                      p.sched_bytes});
   p.lines.push_back({"warp state", fmt::format("warps * 64 = {} * 64", c.warps), p.warp_state_bytes});
   p.lines.push_back({"total dynamic shared memory", "activations + partials + scheduler + warp state",

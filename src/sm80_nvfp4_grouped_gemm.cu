@@ -101,6 +101,16 @@ LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& c
 
 bool aligned(const void* p, size_t a) { return (reinterpret_cast<uintptr_t>(p) % a) == 0; }
 
+// EXPERIMENT (removed once measured): chunks of each warp's first range that the stream kernel requests
+// into L2 before its wait, from FP4MOE_EXP_L2_PREFETCH (default 0).
+int stream_l2_prefetch_chunks() {
+  static const int v = [] {
+    const char* e = std::getenv("FP4MOE_EXP_L2_PREFETCH");
+    return e != nullptr ? std::max(0, std::atoi(e)) : 0;
+  }();
+  return v;
+}
+
 
 }  // namespace
 
@@ -155,6 +165,14 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
                    w.format == WeightFormat::kMxfp4 ? "MXFP4" : "NVFP4");
     FP4MOE_REQUIRE(w.num_experts + 1 <= kMaxExperts + 1, "routed experts + the extra set exceed {}", kMaxExperts + 1);
   }
+  if (args.route_ids != nullptr) {
+    FP4MOE_REQUIRE(aligned(args.route_ids, 4) && args.route_entries >= 0 && args.route_entries <= INT_MAX,
+                   "route_ids = {} must be 4-byte aligned and route_entries = {} in [0, {}]", fmt::ptr(args.route_ids),
+                   args.route_entries, INT_MAX);
+    FP4MOE_REQUIRE(args.route_entries <= args.max_rows,
+                   "route_entries = {} must not exceed max_rows = {} (each routed entry is one row)",
+                   args.route_entries, args.max_rows);
+  }
   if (cfg.mma == 2) {
     // The stream kernel counts work units (expert, token tile, m16 tile) and chunk slices in int32.
     const int64_t segments = args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0);
@@ -197,7 +215,11 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   const bool mx = w.format == WeightFormat::kMxfp4;
   p.scale_mul = mx ? layout::kMxfp4ScaleMul : layout::kNvfp4ScaleMul;
   p.scale_add = mx ? layout::kMxfp4ScaleAdd : layout::kNvfp4ScaleAdd;
-  p.weights_before_wait = args.programmatic_launch && args.offsets_ready_at_launch ? 1 : 0;
+  const bool ids = cfg.mma == 2 && args.programmatic_launch && args.route_ids != nullptr;
+  p.weights_before_wait = args.programmatic_launch && (args.offsets_ready_at_launch || ids) ? 1 : 0;
+  p.route_ids = ids ? args.route_ids : nullptr;
+  p.route_n = ids ? static_cast<int>(args.route_entries) : 0;
+  p.l2_prefetch_chunks = cfg.mma == 2 ? stream_l2_prefetch_chunks() : 0;
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;

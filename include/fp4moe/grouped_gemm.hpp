@@ -57,6 +57,14 @@ struct GroupedGemmArgs {
   // read only after the wait: the weight ring fills while the predecessor's last CTAs finish. Ignored
   // by the other configs and without programmatic_launch.
   bool offsets_ready_at_launch = false;
+  // With programmatic_launch, stream configs only: expert_offsets are being written by the previous kernel
+  // in the stream as the stable counting sort of these route_entries routing ids (ids outside
+  // [0, num_experts) dropped; the layer's permutation), the ids were complete before that kernel began,
+  // and an extra set's rows are [0, its max_rows). The kernel then counts the ids itself, builds its
+  // schedule and starts streaming weights before waiting for the predecessor (GEMM1 after the
+  // permutation). Ignored by the other configs and without programmatic_launch.
+  const int32_t* route_ids = nullptr;
+  int64_t route_entries = 0;
 };
 
 // Validates (shapes, alignment, config fits) and launches; never synchronizes, allocates nothing.

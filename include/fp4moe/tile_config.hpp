@@ -38,12 +38,17 @@ struct TileConfig {
 // in the K loop; the activation rows of the current (expert, token tile) live in shared memory for the
 // whole K. bn = 16 * warps (one m16 tile per warp at a time), bk = 64 (the chunk), bt = 8 or 16 tokens.
 inline constexpr size_t kStreamWarpStateBytes = 64;  // sizeof(kernels::StreamWarpState)
+// The stream kernel's schedule in shared memory: the segment prefix of every expert slot plus the total
+// (kMaxExperts + 2 int32), then the experts' rows (kMaxExperts + 3 int32: the routed experts' clamped
+// offsets 0..E and the extra set's first and end row), so a round's start reads its rows from shared
+// memory instead of making a dependent L2 round trip.
+inline constexpr int kStreamSchedInts = (kMaxExperts + 2) + (kMaxExperts + 3);
 
 struct StreamSmemLayout {
   size_t act_bytes;          // bt rows x k bf16, 128-byte swizzled 16-byte chunks (ldmatrix without conflicts)
   size_t slots_offset;       // partial accumulators: warps x (bt/8) x 32 lanes x 16 B
   size_t slots_bytes;
-  size_t sched_offset;       // (kMaxExperts + 2) int32: segments per expert, prefix and total
+  size_t sched_offset;       // kStreamSchedInts int32: segment prefix and total, then each expert's rows
   size_t sched_bytes;
   size_t warp_state_offset;  // warps x kStreamWarpStateBytes: the cold per-warp state
   size_t warp_state_bytes;
@@ -56,7 +61,7 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
   l.slots_offset = l.act_bytes;
   l.slots_bytes = static_cast<size_t>(c.warps) * (c.bt / 8) * 32 * 16;
   l.sched_offset = l.slots_offset + l.slots_bytes;
-  l.sched_bytes = align_up((kMaxExperts + 2) * sizeof(int32_t), 128);
+  l.sched_bytes = align_up(kStreamSchedInts * sizeof(int32_t), 128);
   l.warp_state_offset = l.sched_offset + l.sched_bytes;
   l.warp_state_bytes = static_cast<size_t>(c.warps) * kStreamWarpStateBytes;
   l.total_bytes = l.warp_state_offset + l.warp_state_bytes;

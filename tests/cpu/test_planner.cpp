@@ -74,15 +74,16 @@ TEST(Planner, SmemEqualsKernelLayoutForEveryConfig) {
 
 TEST(Planner, StreamConfigHandCountedAndKLimit) {
   // stream_bt8_w24_d4_c1 at GLM-5's K = 6144: rows 8 * 6144 * 2 = 98,304; partials 24 * 1 * 32 * 16 =
-  // 12,288; scheduler 2,176; warp state 24 * 64 = 1,536: 114,304 B.
+  // 12,288; scheduler (512 + 2 + 512 + 3) * 4 = 4,116 -> 4,224; warp state 24 * 64 = 1,536: 116,352 B.
   const TileConfig c{384, 8, 64, 4, 24, 2, 1};
   const Sm80SmemPlan p = plan_sm80_smem(c, 6144);
-  EXPECT_EQ(p.total_bytes, 98304u + 12288u + 2176u + 1536u);
+  EXPECT_EQ(p.sched_bytes, 4224u);
+  EXPECT_EQ(p.total_bytes, 98304u + 12288u + 4224u + 1536u);
   // On sm_120 (101,376 B per block) it does not fit; the verdict names K and the largest K that does.
   const Sm80Plan on120 = plan_sm80(c, arch_from_name("sm_120"), 0, 6144);
   EXPECT_FALSE(on120.verdict.valid);
   EXPECT_NE(on120.verdict.reason.find("at K = 6144"), std::string::npos) << on120.verdict.reason;
-  EXPECT_EQ(on120.max_k_that_fits, (101376 - 12288 - 2176 - 1536) / 16 / 64 * 64);
+  EXPECT_EQ(on120.max_k_that_fits, (101376 - 12288 - 4224 - 1536) / 16 / 64 * 64);
   EXPECT_TRUE(plan_sm80(c, arch_from_name("sm_90"), 0, 6144).verdict.valid);
   const ArchInfo sm120 = arch_from_name("sm_120");
   EXPECT_FALSE(check_problem_sm80(c, 4096, 6144, 256, &sm120).valid);

@@ -306,6 +306,25 @@ TEST(GroupedGemmGpu, RejectsBadArguments) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("k = 96"), std::string::npos) << e.what();
   }
+  // Routing ids (the layer's GEMM1): more ids than rows is refused before anything is launched.
+  w.k = 128;
+  w.codes = reinterpret_cast<const uint8_t*>(uintptr_t{256});
+  w.scales = reinterpret_cast<const uint8_t*>(uintptr_t{512});
+  const float gs = 1.0f;
+  w.global_scale = &gs;
+  a.act = reinterpret_cast<const void*>(uintptr_t{1024});
+  a.expert_offsets = reinterpret_cast<const int32_t*>(uintptr_t{2048});
+  a.out = reinterpret_cast<void*>(uintptr_t{4096});
+  a.max_rows = 8;
+  a.route_ids = reinterpret_cast<const int32_t*>(uintptr_t{8192});
+  a.route_entries = 9;
+  try {
+    grouped_gemm_nvfp4(w, a, TileConfig{384, 8, 64, 4, 24, 2, 1}, nullptr);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("route_entries = 9 must not exceed max_rows = 8"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

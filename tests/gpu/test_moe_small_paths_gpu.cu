@@ -5,7 +5,9 @@
 //     and both equal a host stable counting sort;
 //   - the combine kernel (one thread per column, all slot loads issued first) at k = 1 .. 16 and a
 //     hidden size that spans several blocks per token, bit-exact against the host formula;
-//   - the router's order-preserving score key: +0 and -0 tie (lower index wins), as float compares do.
+//   - the router's order-preserving score key: +0 and -0 tie (lower index wins), as float compares do;
+//   - GEMM1's stream configs counting the routing ids themselves (GroupedGemmArgs::route_ids, before the
+//     programmatic-launch wait, while the permutation runs) equal the same launch reading its offsets.
 // Skipped without a GPU.
 #include <gtest/gtest.h>
 
@@ -19,9 +21,11 @@
 #include <vector>
 
 #include "fp4moe/cuda_check.hpp"
+#include "fp4moe/arch.hpp"
 #include "fp4moe/format_math.hpp"
+#include "fp4moe/grouped_gemm.hpp"
 #include "fp4moe/moe_layer.hpp"
-#include "fp4moe/moe_layer.hpp"
+#include "fp4moe/planner.hpp"
 #include "fp4moe/reference.hpp"
 #include "gpu_test_util.hpp"
 
@@ -203,6 +207,91 @@ TEST(MoeSmallPathsGpu, SignedZeroScoresTieToTheLowerIndex) {
   EXPECT_EQ(download<int32_t>(ids.get(), T * c.top_k), ref.ids);
   const std::vector<float> got = download<float>(w.get(), T * c.top_k);
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], ref.weights[i], 1e-6f * std::abs(ref.weights[i]));
+}
+
+// The layer's GEMM1 follows the permutation with programmatic dependent launch and, on the stream
+// configs, builds its schedule from the routing ids (GroupedGemmArgs::route_ids) before waiting, while the
+// permutation is still writing the offsets, the sorted rows and the shared expert's offsets. Its output
+// must equal the same launch reading those offsets afterwards, bit for bit: ids out of range (dropped by
+// both), empty experts, one expert holding many rows (several token tiles), the fused shared expert, and
+// every stream config.
+TEST(MoeSmallPathsGpu, GemmCountingTheRouteIdsEqualsReadingTheOffsets) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Stream st;
+  std::mt19937_64 rng(77);
+  const int E = 24, k = 3;
+  const int64_t K = 1024, N = 192;  // SwiGLU: gate and up rows, N / 2 outputs per row
+  // Repacked weights need no meaning here, only valid scale bytes (re-encoded E4M3, E in [-3, 3]).
+  auto random_bytes = [&](int64_t n, int lo, int hi) {
+    std::vector<uint8_t> v(n);
+    for (auto& b : v) b = static_cast<uint8_t>(lo + static_cast<int>(rng() % (hi - lo + 1)));
+    return v;
+  };
+  OwnedDeviceBuffer codes = upload(random_bytes(E * N * K / 2, 0, 255)), scales = upload(random_bytes(E * N * K / 16, 48, 100));
+  OwnedDeviceBuffer x_codes = upload(random_bytes(N * K / 2, 0, 255)), x_scales = upload(random_bytes(N * K / 16, 48, 100));
+  OwnedDeviceBuffer gs = upload(std::vector<float>(E, 1.0f / 256)), x_gs = upload(std::vector<float>(1, 1.0f / 128));
+  GroupedWeightsView w;
+  w.num_experts = E; w.n = N; w.k = K; w.gate_up_interleaved = true;
+  w.codes = codes.as<uint8_t>(); w.scales = scales.as<uint8_t>(); w.global_scale = gs.as<float>();
+  GroupedWeightsView xw = w;
+  xw.num_experts = 1; xw.codes = x_codes.as<uint8_t>(); xw.scales = x_scales.as<uint8_t>(); xw.global_scale = x_gs.as<float>();
+  int checked = 0;
+  for (const TileConfig& cfg : kGemmConfigs) {
+    if (cfg.mma != 2 || !plan_sm80(cfg, arch_from_device(0), 0, K).verdict.valid) continue;
+    for (int64_t T : {1, 6, 37}) {
+      SCOPED_TRACE(testing::Message() << cfg.name() << " T=" << T);
+      const int64_t n = T * k;
+      std::vector<int32_t> ids(n);
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t r = rng() % 8;
+        ids[i] = r == 0 ? -1 : r == 1 ? E + 2 : r == 2 ? 5 : static_cast<int32_t>(rng() % (E / 2)) * 2;  // odd: empty
+      }
+      std::vector<float> wts(n, 0.5f);
+      std::vector<uint16_t> hidden(T * K);
+      for (auto& v : hidden) v = float_to_bf16_bits(std::normal_distribution<float>()(rng));
+      int32_t valid = 0;
+      for (int32_t e : ids) valid += e >= 0 && e < E;
+      OwnedDeviceBuffer d_ids = upload(ids), d_w = upload(wts), d_h = upload(hidden);
+      OwnedDeviceBuffer cc(std::max<int64_t>(moe_permute_chunks(n), 1) * E * 4), off((E + 1) * 4), row(n * 4),
+          rs(n * 4), sh(16), sorted(n * K * 2);
+      std::vector<uint16_t> outs[2], x_outs[2];
+      for (int counted = 1; counted >= 0; --counted) {
+        OwnedDeviceBuffer out(n * N), x_out(T * N);  // bf16 [rows, N / 2]
+        if (counted) {  // everything the permutation writes is poisoned until it runs
+          for (const OwnedDeviceBuffer* b : {&off, &row, &rs, &sh, &sorted})
+            FP4MOE_CUDA_CHECK(cudaMemsetAsync(b->get(), 0xff, b->bytes(), st.s));
+        }
+        FP4MOE_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), st.s));
+        FP4MOE_CUDA_CHECK(cudaMemsetAsync(x_out.get(), 0xff, x_out.bytes(), st.s));
+        if (counted)
+          moe_permute_gather(E, k, T, d_ids.as<int32_t>(), d_w.as<float>(), cc.as<int32_t>(), off.as<int32_t>(),
+                             row.as<int32_t>(), rs.as<float>(), sh.as<int32_t>(), d_h.get(), K, sorted.get(), st.s,
+                             PermutePath::kAuto, /*programmatic_launch=*/true);
+        GroupedGemmArgs a;
+        a.act = sorted.get(); a.expert_offsets = off.as<int32_t>(); a.max_rows = n; a.out = out.get();
+        a.epilogue = GemmEpilogue::kSwiGLU;
+        a.programmatic_launch = counted != 0;
+        a.route_ids = counted ? d_ids.as<int32_t>() : nullptr;
+        a.route_entries = counted ? n : 0;
+        GroupedGemmArgs xa;
+        xa.act = d_h.get(); xa.expert_offsets = sh.as<int32_t>(); xa.max_rows = T; xa.out = x_out.get();
+        xa.epilogue = GemmEpilogue::kSwiGLU;
+        grouped_gemm_nvfp4(w, a, xw, xa, cfg, st.s);
+        FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+        outs[counted] = download<uint16_t>(out.get(), valid * N / 2);
+        x_outs[counted] = download<uint16_t>(x_out.get(), T * N / 2);
+      }
+      EXPECT_EQ(download<int32_t>(off.get(), E + 1).back(), valid);
+      int64_t unwritten = 0;
+      for (uint16_t v : outs[1]) unwritten += v == 0xffff;
+      for (uint16_t v : x_outs[1]) unwritten += v == 0xffff;
+      EXPECT_EQ(unwritten, 0);
+      EXPECT_TRUE(outs[1] == outs[0]) << "routed rows differ";
+      EXPECT_TRUE(x_outs[1] == x_outs[0]) << "shared expert rows differ";
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 0) << "no stream config fits K = " << K << " here";
 }
 
 }  // namespace

@@ -77,9 +77,17 @@ struct GroupedGemmParams {
   // nvfp4_weight_layout.hpp). Both weight sets of a launch share the format.
   uint32_t scale_mul;
   uint32_t scale_add;
-  // Stream kernel: offsets are final at launch (GroupedGemmArgs::offsets_ready_at_launch), so the
-  // schedule and the weight ring come before griddepcontrol.wait.
+  // Stream kernel: the schedule is known before griddepcontrol.wait (offsets final at launch, or counted
+  // from route_ids), so the schedule and the weight ring come before it.
   int weights_before_wait;
+  // Stream kernel, GroupedGemmArgs::route_ids: the offsets are the stable counting sort of these route_n
+  // ids (out-of-range ids dropped) and the extra set's rows are [0, x_max_rows); the kernel counts them
+  // itself instead of reading offsets, which its predecessor is still writing. Null: read offsets.
+  const int32_t* route_ids;
+  int route_n;
+  // Stream kernel: chunks of each warp's first range beyond its register ring requested into L2 before
+  // griddepcontrol.wait (cp.async.bulk.prefetch.L2), so DRAM streams while the predecessor finishes.
+  int l2_prefetch_chunks;
   GroupedGemmTmaMaps tma;
 };
 
@@ -115,10 +123,9 @@ __device__ __forceinline__ void expert_rows(const GroupedGemmParams& p, int e, i
 }
 
 // Per-expert work counts -> exclusive prefix in shared memory (warp 0 only; E <= kMaxExperts + 1, so at
-// most 17 experts per lane). count(rows_e) gives expert e's work units. prefix[kMaxExperts + 1] = total.
+// most 17 experts per lane). count(e) gives expert e's work units. prefix[kMaxExperts + 1] = total.
 template <typename CountFn>
-__device__ __forceinline__ void build_expert_prefix(const GroupedGemmParams& p, int E, int lane, int32_t* prefix,
-                                                    CountFn count) {
+__device__ __forceinline__ void build_segment_prefix(int E, int lane, int32_t* prefix, CountFn count) {
   constexpr int kPer = (kMaxExperts + 1 + 31) / 32;  // routed experts + the second weight set
   const int per = (E + 31) / 32;
   const int e0 = lane * per;
@@ -128,11 +135,7 @@ __device__ __forceinline__ void build_expert_prefix(const GroupedGemmParams& p, 
   for (int i = 0; i < kPer; ++i) {
     cnt[i] = 0;
     const int e = e0 + i;
-    if (i < per && e < E) {
-      int a, b;
-      expert_rows(p, e, a, b);
-      cnt[i] = count(b - a);
-    }
+    if (i < per && e < E) cnt[i] = count(e);
     sum += cnt[i];
   }
   int incl = sum;
@@ -149,6 +152,17 @@ __device__ __forceinline__ void build_expert_prefix(const GroupedGemmParams& p, 
     run += cnt[i];
   }
   if (lane == 31) prefix[kMaxExperts + 1] = incl;  // total
+}
+
+// The same from the expert offsets: count(rows_e) gives expert e's work units.
+template <typename CountFn>
+__device__ __forceinline__ void build_expert_prefix(const GroupedGemmParams& p, int E, int lane, int32_t* prefix,
+                                                    CountFn count) {
+  build_segment_prefix(E, lane, prefix, [&](int e) {
+    int a, b;
+    expert_rows(p, e, a, b);
+    return count(b - a);
+  });
 }
 
 // Largest e with prefix[e] <= w (prefix is non-decreasing, prefix[0] = 0).

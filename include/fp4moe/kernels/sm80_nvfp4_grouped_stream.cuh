@@ -49,6 +49,12 @@ __device__ __forceinline__ uint4 ldg_stream_v4(const uint8_t* ptr) {
                : "l"(ptr));
   return r;
 }
+// Requests [ptr, ptr + bytes) into L2 (a hint: no completion, no registers); ptr and bytes 16-byte multiples.
+__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
+#endif
+}
 __device__ __forceinline__ uint2 ldg_stream_v2(const uint8_t* ptr) {
   uint2 r;
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(r.x), "=r"(r.y) : "l"(ptr));
@@ -105,6 +111,19 @@ struct StreamGeometry {
   __device__ StreamGeometry(const GroupedGemmParams& params, uint8_t* s)
       : p(params), smem(s), L(stream_smem_layout(TileConfig{16 * WARPS, BT, 64, 2, WARPS, 2, 1}, params.k)) {}
   __device__ int32_t* prefix() const { return reinterpret_cast<int32_t*>(smem + L.sched_offset); }
+  // Expert rows (stream_build_schedule): routed offsets 0..E clamped, then the extra set's first and end row.
+  __device__ int32_t* rows() const { return prefix() + kMaxExperts + 2; }
+  // Expert e's rows [a, b), exactly as expert_rows() reads them from global memory.
+  __device__ void rows_of(int e, int& a, int& b) const {
+    const int32_t* r = rows();
+    if (e < p.num_experts) {
+      a = r[e];
+      b = max(r[e + 1], a);
+    } else {
+      a = r[kMaxExperts + 1];
+      b = r[kMaxExperts + 2];
+    }
+  }
   __device__ float4* slots() const { return reinterpret_cast<float4*>(smem + L.slots_offset); }
   __device__ StreamWarpState& ws() const {
     return reinterpret_cast<StreamWarpState*>(smem + L.warp_state_offset)[threadIdx.x >> 5];
@@ -123,6 +142,77 @@ struct StreamGeometry {
   // Warp w's slice of a round's F chunks starts here; F * WARPS < 2^31 (the launcher checks).
   __device__ static int slice_begin(int F, int w) { return F * w / WARPS; }
 };
+
+// The schedule in shared memory, built by the whole CTA (ends with a CTA barrier):
+// - rows: expert e's clamped first row for e = 0..E (so e's rows are [rows[e], max(rows[e + 1], rows[e]))
+//   as expert_rows() computes them from the offsets), the extra set's first and end row after them. From
+//   p.offsets, or, with p.route_ids, from the routing ids themselves: the offsets are their stable
+//   counting sort, so offsets[e] = ids equal to an expert below e (what the permutation kernel writes).
+//   This lets GEMM1 build its schedule and start its weight stream before griddepcontrol.wait, while the
+//   permutation kernel is still writing the offsets and the activation rows.
+// - prefix: segments (token tiles of BT rows) per expert, exclusive prefix, total at kMaxExperts + 1.
+template <int BT, int WARPS>
+__device__ __forceinline__ void stream_build_schedule(const GroupedGemmParams& p, const StreamGeometry<BT, WARPS>& G) {
+  constexpr int kPer = (kMaxExperts + 1 + 31) / 32;  // entries 0..E of rows per lane, E <= kMaxExperts
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int R = p.num_experts;
+  int32_t* rows = G.rows();
+  const bool ids = p.route_ids != nullptr;
+  if (ids) {  // per-expert counts into rows[0..R)
+    for (int e = tid; e < R; e += WARPS * 32) rows[e] = 0;
+    __syncthreads();
+    for (int i = tid; i < p.route_n; i += WARPS * 32) {
+      const int e = __ldcg(p.route_ids + i);  // L2: the ids were written by an earlier kernel
+      if (e >= 0 && e < R) atomicAdd(&rows[e], 1);  // counting only: the order cannot matter
+    }
+    __syncthreads();
+  }
+  if (tid < 32) {
+    const int per = (R + 1 + 31) / 32;
+    const int e0 = lane * per;
+    if (ids) {
+      int sum = 0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i)
+        if (i < per && e0 + i < R) sum += rows[e0 + i];
+      int incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      int run = incl - sum;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int e = e0 + i;
+        if (i < per && e <= R) {
+          const int c = e < R ? rows[e] : 0;
+          rows[e] = min(run, p.max_rows);
+          run += c;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const int e = e0 + i;
+        if (i < per && e <= R) rows[e] = min(max(__ldg(p.offsets + e), 0), p.max_rows);
+      }
+    }
+    if (lane == 0 && p.x_offsets != nullptr) {
+      int a = 0, b = p.x_max_rows;
+      if (!ids) expert_rows(p, R, a, b);
+      rows[kMaxExperts + 1] = a;
+      rows[kMaxExperts + 2] = b;
+    }
+    __syncwarp();
+    build_segment_prefix(G.experts(), lane, G.prefix(), [&](int e) {
+      int a, b;
+      G.rows_of(e, a, b);
+      return (b - a + BT - 1) / BT;
+    });
+  }
+  __syncthreads();
+}
 
 // The load cursor enters its next round that has chunks for this warp (cold: once per round).
 template <int BT, int WARPS>
@@ -264,7 +354,7 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
     const StreamRound r = G.round_at(ru);
     const int e = find_expert(r.seg, G.prefix(), G.experts());
     int a, b;
-    expert_rows(p, e, a, b);
+    G.rows_of(e, a, b);  // from shared memory: no L2 round trip before the rows' own loads
     const int row0 = a + (r.seg - G.prefix()[e]) * BT;
     const int rows = min(BT, b - row0);
     const bool xs = e >= p.num_experts;
@@ -305,10 +395,12 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
 template <int BT, int WARPS, int DEPTH, int CTAS, int EPI>
 __global__ void __launch_bounds__(WARPS * 32, CTAS)
     sm80_nvfp4_grouped_stream_kernel(const __grid_constant__ GroupedGemmParams p) {
-  // Programmatic dependent launch: the predecessor's results are visible after pdl_wait. The expert
-  // offsets are read before it only when the host says they were final before the predecessor began
-  // (p.weights_before_wait: GEMM2, whose offsets GEMM1 already waited for; this grid cannot start before
-  // every CTA of GEMM1 passed its own wait, so their producer has completed). Weights are constant.
+  // Programmatic dependent launch: the predecessor's results are visible after pdl_wait. The schedule is
+  // built before it only when the host says its inputs were final before the predecessor began
+  // (p.weights_before_wait): GEMM2's offsets, which GEMM1 already waited for, or GEMM1's routing ids
+  // (p.route_ids), which the permutation kernel already waited for; this grid cannot start before every
+  // CTA of its predecessor passed that predecessor's own wait, so their producer has completed. Weights
+  // are constant.
   if (!p.weights_before_wait) {
     pdl_wait();
     pdl_launch_dependents();
@@ -322,16 +414,19 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   const StreamGeometry<BT, WARPS> G(p, smem);
   const int lane = threadIdx.x & 31;
 
-  // ---- segments (expert, token tile) per expert, exclusive prefix ----
-  if (threadIdx.x < 32)
-    build_expert_prefix(p, G.experts(), lane, G.prefix(), [](int rows) { return (rows + BT - 1) / BT; });
-  __syncthreads();
+  // ---- segments (expert, token tile) per expert, exclusive prefix; each expert's rows ----
+  stream_build_schedule<BT, WARPS>(p, G);
   // CTA i of G owns units [i * U / G, (i + 1) * U / G); U < 2^31 (the launcher checks).
   {
     const int64_t units = static_cast<int64_t>(G.prefix()[kMaxExperts + 1]) * (p.n / 16);
     const int u0 = static_cast<int>(units * blockIdx.x / gridDim.x);
     const int u1 = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
-    if (u0 >= u1) return;  // uniform over the CTA: no barrier follows
+    if (u0 >= u1) {  // uniform over the CTA: no barrier follows
+      // Exit only once the predecessor is done: this grid's completion (or trigger) then implies its
+      // predecessor's, which the next kernel's early reads (GEMM2's offsets) rely on.
+      if (p.weights_before_wait) pdl_wait();
+      return;
+    }
     StreamWarpState& ws = G.ws();
     if (lane == 0) {
       ws.lru = ws.cru = u0;
@@ -360,6 +455,15 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
     issue(ring_c[d], ring_s[d]);
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The next chunks of the first range into L2 while the ring's loads and the predecessor are in flight
+  // (one bulk prefetch each for codes and scales, lane 0: its cursor is the warp's base).
+  if (p.l2_prefetch_chunks > 0 && lane == 0 && cur.left > 0) {
+    const uint32_t chunks = static_cast<uint32_t>(min(cur.left, p.l2_prefetch_chunks));
+    prefetch_l2(cur.lc + static_cast<uint32_t>(cur.q) * 512u, chunks * 512u);
+    prefetch_l2(cur.ls + static_cast<uint32_t>(cur.q) * 64u, chunks * 64u);
+  }
+#endif
   if (p.weights_before_wait) {  // the activation rows (the predecessor's output) are read after this
     pdl_wait();
     pdl_launch_dependents();

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# A/B of prebuilt fp4moe binaries and environment knobs on a GPU machine, alternated in one call, so
+# that every variant is timed on the same GPU within minutes (H200s differ by a few percent, and so do
+# two starts of one). Binaries are built on a CPU machine and carried (`git`-ignored .carry/); use
+# ab_patch.sh (beside this file) where the GPU machine should build them itself.
+#
+#   bench/experiments/ab_bins.sh OUTDIR MODELS TOKENS ROUNDS LABEL=CMD [LABEL=CMD ...]
+#
+# CMD is the command prefix that runs one fp4moe binary, e.g. 'base=.carry/base/fp4moe' or
+# 'pf16=env FP4MOE_EXP_L2_PREFETCH=16 .carry/dev/fp4moe'. Each round runs every variant's
+# `bench --model MODELS --tokens TOKENS --no-baseline` in the order given; OUTDIR/ab.txt keeps each
+# run's ceilings and rows, OUTDIR/ab-summary.txt the median layer time and read-ceiling ratio per
+# (model, tokens, variant) with the spread over the rounds.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: ab_bins.sh OUTDIR MODELS TOKENS ROUNDS LABEL=CMD ...}
+MODELS=${2:?models}
+TOKENS=${3:?tokens}
+ROUNDS=${4:?rounds}
+shift 4
+[ $# -ge 1 ] || { echo "ab_bins: at least one LABEL=CMD" >&2; exit 2; }
+mkdir -p "$OUT"
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+  for round in $(seq 1 "$ROUNDS"); do
+    for v in "$@"; do
+      label=${v%%=*}
+      cmd=${v#*=}
+      echo "== round $round, variant $label ($cmd), $(date +%T)"
+      # shellcheck disable=SC2086  # CMD is a command prefix with its own words
+      $cmd bench --model "$MODELS" --tokens "$TOKENS" --no-baseline 2>&1 |
+        grep -E '^ +[0-9]+ |ceilings|MoE layer|rror'
+    done
+  done
+} 2>&1 | tee "$OUT/ab.txt"
+python3 - "$OUT/ab.txt" <<'PY' | tee "$OUT/ab-summary.txt"
+import re, statistics, sys
+runs = {}  # (model, tokens, variant) -> [(us, xread)]
+variant = model = None
+order = []
+for line in open(sys.argv[1]):
+    m = re.match(r"== round \d+, variant (\S+)", line)
+    if m:
+        variant = m.group(1)
+        if variant not in order:
+            order.append(variant)
+        continue
+    m = re.match(r"(\S+) MoE layer", line)
+    if m:
+        model = m.group(1)
+        continue
+    m = re.match(r"\s+(\d+)\s+\d+\s+([\d.]+)\s+[\d.]+\s+([\d.]+)", line)
+    if m and model and variant:
+        runs.setdefault((model, int(m.group(1)), variant), []).append((float(m.group(2)), float(m.group(3))))
+print(f"{'model':<14} {'T':>5} " + " ".join(f"{v:>30}" for v in order))
+print(f"{'':<14} {'':>5} " + " ".join(f"{'us (min-max) xread':>30}" for _ in order))
+for model, t in sorted({(k[0], k[1]) for k in runs}):
+    cells = []
+    for v in order:
+        r = runs.get((model, t, v), [])
+        if not r:
+            cells.append(f"{'-':>30}")
+            continue
+        us = [x[0] for x in r]
+        xr = statistics.median(x[1] for x in r)
+        cells.append(f"{statistics.median(us):8.1f} ({min(us):.1f}-{max(us):.1f}) {xr:.3f}".rjust(30))
+    print(f"{model:<14} {t:>5} " + " ".join(cells))
+PY
