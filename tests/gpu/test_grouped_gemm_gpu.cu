@@ -262,6 +262,21 @@ TEST(GroupedGemmGpu, StreamConfigsSplitTilesAndRounds) {
   }
 }
 
+// Stream configs park the whole m-tiles in the middle of a warp's slice in its stash and store them at
+// the next cold call (stream_hop). That takes slices of several m-tiles: many token tiles x many m-tiles
+// of a short K (1 and 2 chunks per m-tile, so slices span more m-tiles than the stash holds and it
+// fills up and drains mid-round), with empty experts and partial token tiles in between.
+TEST(GroupedGemmGpu, StreamConfigsStashWholeMtiles) {
+  REQUIRE_GPU();
+  for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
+    const TileConfig cfg = kGemmConfigs[ci];
+    if (cfg.mma != 2) continue;
+    SCOPED_TRACE(cfg.name());
+    run_problem({4096, 64, ragged(130, 2 * cfg.bt + 3, 70 + ci), GemmEpilogue::kSwiGLU}, cfg, 70 + ci);
+    run_problem({2048, 128, ragged(90, cfg.bt + 2, 71 + ci), GemmEpilogue::kPlain, false, true}, cfg, 71 + ci);
+  }
+}
+
 TEST(GroupedGemmGpu, StreamGlm5DecodeShapes) {
   REQUIRE_GPU();
   run_problem({4096, 6144, {1, 0, 3, 8, 2}, GemmEpilogue::kSwiGLU}, TileConfig{384, 8, 64, 4, 24, 2, 1}, 31);

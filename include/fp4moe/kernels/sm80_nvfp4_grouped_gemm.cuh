@@ -85,9 +85,8 @@ struct GroupedGemmParams {
   // itself instead of reading offsets, which its predecessor is still writing. Null: read offsets.
   const int32_t* route_ids;
   int route_n;
-  // Stream kernel: chunks of each warp's first range beyond its register ring requested into L2 before
-  // griddepcontrol.wait (cp.async.bulk.prefetch.L2), so DRAM streams while the predecessor finishes.
-  int l2_prefetch_chunks;
+  // Stream kernel: whole m-tiles parked per warp before their epilogue (stream_stash_slots_that_fit; 0: none).
+  int stash_slots;
   GroupedGemmTmaMaps tma;
 };
 
