@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <utility>
 
 #include "fp4moe/cuda_check.hpp"
@@ -606,10 +605,9 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   gb.shared_gemm1_out = shared_gemm1_out;
   gb.shared_gemm2_out = ws.shared_gemm2_out;
   gb.programmatic_launch = true;
-  // GEMM1 counts the ids itself (a few KB, read by every CTA) while the permutation runs, up to the
-  // one-launch permutation's size. EXPERIMENT knob FP4MOE_EXP_NO_ROUTE_IDS=1 (removed once measured).
-  static const bool no_ids = std::getenv("FP4MOE_EXP_NO_ROUTE_IDS") != nullptr;
-  if (!no_ids && n <= kMoeSmallPermuteMaxEntries) {
+  // GEMM1's stream configs count the ids themselves (at most 16 KB, read by every CTA from L2) and start
+  // streaming weights while the permutation runs, up to the one-launch permutation's size.
+  if (n <= kMoeSmallPermuteMaxEntries) {
     gb.route_ids = topk_ids;
     gb.route_entries = n;
   }

@@ -56,9 +56,7 @@ Sm80SmemPlan plan_stream_smem(const TileConfig& c, int64_t k) {
   p.sched_bytes = sched + sched_pad;
   p.sched_offset = p.act_bytes + p.slots_bytes;
   // Per warp: the cold state of its work cursor (kernels::StreamWarpState, 64 bytes).
-  p.warp_state_bytes = static_cast<size_t>(c.warps) * 72;
-  // The stash (finished m-tiles parked for the next cold call) is sized per launch from what is left
-  // (stream_stash_slots_that_fit); the config is valid without it, so it is not counted here.
+  p.warp_state_bytes = static_cast<size_t>(c.warps) * 64;
   p.total_bytes = p.sched_offset + p.sched_bytes + p.warp_state_bytes;
   p.padding_bytes = act_pad + sched_pad;
   p.lines.push_back({"activation rows (whole K)",
@@ -72,7 +70,7 @@ Sm80SmemPlan plan_stream_smem(const TileConfig& c, int64_t k) {
                      fmt::format("((kMaxExperts + 2) + (kMaxExperts + 3)) * 4 = ({} + 2 + {} + 3) * 4{}", kMaxExperts,
                                  kMaxExperts, sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
                      p.sched_bytes});
-  p.lines.push_back({"warp state", fmt::format("warps * 72 = {} * 72", c.warps), p.warp_state_bytes});
+  p.lines.push_back({"warp state", fmt::format("warps * 64 = {} * 64", c.warps), p.warp_state_bytes});
   p.lines.push_back({"total dynamic shared memory", "activations + partials + scheduler + warp state",
                      p.total_bytes});
   return p;

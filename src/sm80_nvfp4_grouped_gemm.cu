@@ -47,37 +47,29 @@ struct LaunchInfo {
   bool ready = false;
   int sms = 0;
   int ctas_per_sm = 0;
-  int64_t k = 0;        // stream configs: the K it was sized for (0 for the others)
-  int stash_slots = 0;  // stream configs: GroupedGemmParams::stash_slots
   size_t smem = 0;
 };
 
+// Dynamic shared memory of a launch: fixed per config, except stream configs, whose activation rows span
+// the whole K.
+size_t launch_smem_bytes(const TileConfig& cfg, int64_t k) {
+  return cfg.mma == 2 ? stream_smem_layout(cfg, k).total_bytes : gemm_smem_layout(cfg).total_bytes;
+}
+
 // Per (device, kernel): raise the dynamic shared-memory limit once and record the occupancy, so the
 // per-call cost is a table lookup (and the call stays legal inside CUDA-graph capture).
-// Keyed by (device, kernel, K of a stream config): their activation rows span the whole K, and the
-// stash of finished m-tiles takes what the device's shared memory leaves beside them.
+// Keyed by (device, kernel, shared memory): stream configs need different bytes per K.
 LaunchInfo& launch_info(int device, detail::GemmKernelFn fn, const TileConfig& cfg, int64_t k) {
   static std::mutex mu;
   static std::vector<std::pair<std::pair<int, detail::GemmKernelFn>, LaunchInfo>> cache;
   std::lock_guard<std::mutex> lock(mu);
-  const int64_t key_k = cfg.mma == 2 ? k : 0;
+  const size_t smem = launch_smem_bytes(cfg, k);
   for (auto& [key, info] : cache)
-    if (key.first == device && key.second == fn && info.k == key_k) return info;
+    if (key.first == device && key.second == fn && info.smem == smem) return info;
   LaunchInfo info;
-  info.k = key_k;
+  info.smem = smem;
   cudaDeviceProp prop{};
   FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  if (cfg.mma == 2) {
-    const int s = stream_stash_slots_that_fit(cfg, k, prop.sharedMemPerBlockOptin, prop.sharedMemPerMultiprocessor,
-                                              prop.reservedSharedMemPerBlock);
-    info.stash_slots = std::max(s, 0);  // < 0: refused below with the bytes it needs without a stash
-    static const bool no_stash = std::getenv("FP4MOE_EXP_NO_STASH") != nullptr;  // EXPERIMENT knob
-    if (no_stash) info.stash_slots = 0;
-    info.smem = stream_smem_layout(cfg, k, info.stash_slots).total_bytes;
-  } else {
-    info.smem = gemm_smem_layout(cfg).total_bytes;
-  }
-  const size_t smem = info.smem;
   if ((cfg.mma == 1 || cfg.mma == 3) && prop.major != 9)
     throw ResourceError(fmt::format("fp4moe: tile config {} uses wgmma{}, which exists on sm_90a only; {} is sm_{}{}",
                                     cfg.name(), cfg.mma == 3 ? " and setmaxnreg" : "", prop.name, prop.major,
@@ -216,7 +208,6 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   p.weights_before_wait = args.programmatic_launch && (args.offsets_ready_at_launch || ids) ? 1 : 0;
   p.route_ids = ids ? args.route_ids : nullptr;
   p.route_n = ids ? static_cast<int>(args.route_entries) : 0;
-  p.stash_slots = cfg.mma == 2 ? info.stash_slots : 0;
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;

@@ -37,13 +37,7 @@ struct TileConfig {
 // of scales per lane per 64-wide K chunk), so bytes in flight grow with warps x depth and no barrier sits
 // in the K loop; the activation rows of the current (expert, token tile) live in shared memory for the
 // whole K. bn = 16 * warps (one m16 tile per warp at a time), bk = 64 (the chunk), bt = 8 or 16 tokens.
-inline constexpr size_t kStreamWarpStateBytes = 72;  // sizeof(kernels::StreamWarpState)
-// Whole m16 tiles a warp finishes in the middle of its slice of a round are parked in shared memory (the
-// "stash", up to kStreamMaxStash per warp) and stored at the warp's next cold call, instead of calling
-// out of the hot loop for each one: a call waits for every weight load in flight (the ring drains) and
-// the epilogue then waits on L2 for its scales (bench/NOTES.md). How many fit is decided per launch
-// (stream_stash_slots_that_fit); 0 turns the stash off.
-inline constexpr int kStreamMaxStash = 8;
+inline constexpr size_t kStreamWarpStateBytes = 64;  // sizeof(kernels::StreamWarpState)
 // The stream kernel's schedule in shared memory: the segment prefix of every expert slot plus the total
 // (kMaxExperts + 2 int32), then the experts' rows (kMaxExperts + 3 int32: the routed experts' clamped
 // offsets 0..E and the extra set's first and end row), so a round's start reads its rows from shared
@@ -58,12 +52,10 @@ struct StreamSmemLayout {
   size_t sched_bytes;
   size_t warp_state_offset;  // warps x kStreamWarpStateBytes: the cold per-warp state
   size_t warp_state_bytes;
-  size_t stash_offset;       // warps x stash slots x (bt/8) x 32 lanes x 16 B: finished m-tiles' accumulators
-  size_t stash_bytes;
   size_t total_bytes;
 };
 
-constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k, int stash_slots = 0) {
+constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
   StreamSmemLayout l{};
   l.act_bytes = align_up(static_cast<size_t>(c.bt) * static_cast<size_t>(k) * 2, 128);
   l.slots_offset = l.act_bytes;
@@ -72,24 +64,8 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k, in
   l.sched_bytes = align_up(kStreamSchedInts * sizeof(int32_t), 128);
   l.warp_state_offset = l.sched_offset + l.sched_bytes;
   l.warp_state_bytes = static_cast<size_t>(c.warps) * kStreamWarpStateBytes;
-  l.stash_offset = align_up(l.warp_state_offset + l.warp_state_bytes, 16);
-  l.stash_bytes = static_cast<size_t>(c.warps) * static_cast<size_t>(stash_slots) * (c.bt / 8) * 32 * 16;
-  l.total_bytes = l.stash_offset + l.stash_bytes;
+  l.total_bytes = l.warp_state_offset + l.warp_state_bytes;
   return l;
-}
-
-// The most stash slots (<= kStreamMaxStash) with which `ctas` CTAs of the stream config still fit one SM:
-// per block at most `optin_per_block` bytes, per SM `ctas` x (bytes + `reserved_per_block`) at most
-// `smem_per_sm`. -1 when the config does not fit even without a stash.
-// Only bt 8 configs stash (a bt 16 warp's two accumulator sets beside the stash code spilled its ring).
-constexpr int stream_stash_slots_that_fit(const TileConfig& c, int64_t k, size_t optin_per_block, size_t smem_per_sm,
-                                          size_t reserved_per_block) {
-  for (int s = c.bt == 8 ? kStreamMaxStash : 0; s >= 0; --s) {
-    const size_t bytes = stream_smem_layout(c, k, s).total_bytes;
-    if (bytes <= optin_per_block && static_cast<size_t>(c.ctas) * (bytes + reserved_per_block) <= smem_per_sm)
-      return s;
-  }
-  return -1;
 }
 
 // Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:

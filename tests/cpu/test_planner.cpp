@@ -74,44 +74,20 @@ TEST(Planner, SmemEqualsKernelLayoutForEveryConfig) {
 
 TEST(Planner, StreamConfigHandCountedAndKLimit) {
   // stream_bt8_w24_d4_c1 at GLM-5's K = 6144: rows 8 * 6144 * 2 = 98,304; partials 24 * 1 * 32 * 16 =
-  // 12,288; scheduler (512 + 2 + 512 + 3) * 4 = 4,116 -> 4,224; warp state 24 * 72 = 1,728: 116,544 B.
+  // 12,288; scheduler (512 + 2 + 512 + 3) * 4 = 4,116 -> 4,224; warp state 24 * 64 = 1,536: 116,352 B.
   const TileConfig c{384, 8, 64, 4, 24, 2, 1};
   const Sm80SmemPlan p = plan_sm80_smem(c, 6144);
   EXPECT_EQ(p.sched_bytes, 4224u);
-  EXPECT_EQ(p.total_bytes, 98304u + 12288u + 4224u + 1728u);
+  EXPECT_EQ(p.total_bytes, 98304u + 12288u + 4224u + 1536u);
   // On sm_120 (101,376 B per block) it does not fit; the verdict names K and the largest K that does.
   const Sm80Plan on120 = plan_sm80(c, arch_from_name("sm_120"), 0, 6144);
   EXPECT_FALSE(on120.verdict.valid);
   EXPECT_NE(on120.verdict.reason.find("at K = 6144"), std::string::npos) << on120.verdict.reason;
-  EXPECT_EQ(on120.max_k_that_fits, (101376 - 12288 - 4224 - 1728) / 16 / 64 * 64);
+  EXPECT_EQ(on120.max_k_that_fits, (101376 - 12288 - 4224 - 1536) / 16 / 64 * 64);
   EXPECT_TRUE(plan_sm80(c, arch_from_name("sm_90"), 0, 6144).verdict.valid);
   const ArchInfo sm120 = arch_from_name("sm_120");
   EXPECT_FALSE(check_problem_sm80(c, 4096, 6144, 256, &sm120).valid);
   EXPECT_TRUE(check_problem_sm80(c, 4096, 2048, 256, &sm120).valid);
-}
-
-// The stream kernel's stash of finished m-tiles takes what shared memory leaves beside a config; the config
-// itself is valid without it (the planner counts none).
-TEST(Planner, StreamStashTakesWhatSharedMemoryLeaves) {
-  const ArchInfo h = arch_from_name("sm_90");  // 227 KB per block, 228 KB per SM, 1 KB reserved per block
-  auto slots = [&](const TileConfig& c, int64_t k, const ArchInfo& a) {
-    return stream_stash_slots_that_fit(c, k, a.smem_optin_per_block, a.smem_per_sm, a.reserved_smem_per_block);
-  };
-  // bt8_w24 at K = 6144: 116,544 B, a slot is 24 warps x 512 B: all 8 slots fit (214,848 B).
-  const TileConfig w24{384, 8, 64, 4, 24, 2, 1};
-  EXPECT_EQ(slots(w24, 6144, h), 8);
-  EXPECT_EQ(stream_smem_layout(w24, 6144, 8).total_bytes, 116544u + 8u * 24 * 512);
-  EXPECT_EQ(stream_smem_layout(w24, 6144).stash_bytes, 0u);
-  // Two CTAs per SM (bt8_w12_c2): 2 x (109,632 + 1,024) B leave room for one 6,144 B slot each.
-  const TileConfig c2{192, 8, 64, 4, 12, 2, 2};
-  EXPECT_EQ(stream_smem_layout(c2, 6144).total_bytes, 98304u + 6144u + 4224u + 864u);
-  EXPECT_EQ(slots(c2, 6144, h), 1);
-  EXPECT_LE(2 * (stream_smem_layout(c2, 6144, 1).total_bytes + h.reserved_smem_per_block), h.smem_per_sm);
-  EXPECT_GT(2 * (stream_smem_layout(c2, 6144, 2).total_bytes + h.reserved_smem_per_block), h.smem_per_sm);
-  // bt 16 configs never stash; a config that does not fit at all gets -1.
-  EXPECT_EQ(slots(TileConfig{384, 16, 64, 4, 24, 2, 1}, 2048, h), 0);
-  EXPECT_EQ(slots(w24, 6144, arch_from_name("sm_120")), -1);
-  EXPECT_EQ(slots(w24, 2048, arch_from_name("sm_120")), 4);  // (101,376 - 51,008) / 12,288
 }
 
 TEST(Planner, HandCountedConfig) {

@@ -262,11 +262,10 @@ TEST(GroupedGemmGpu, StreamConfigsSplitTilesAndRounds) {
   }
 }
 
-// Stream configs park the whole m-tiles in the middle of a warp's slice in its stash and store them at
-// the next cold call (stream_hop). That takes slices of several m-tiles: many token tiles x many m-tiles
-// of a short K (1 and 2 chunks per m-tile, so slices span more m-tiles than the stash holds and it
-// fills up and drains mid-round), with empty experts and partial token tiles in between.
-TEST(GroupedGemmGpu, StreamConfigsStashWholeMtiles) {
+// Stream configs: slices of many whole m-tiles per warp and round (many token tiles x many m-tiles of a
+// short K, 1 and 2 chunks per m-tile), with empty experts and partial token tiles in between: the path
+// from one m-tile's end to the next m-tile of the same round, taken once per m-tile at decode.
+TEST(GroupedGemmGpu, StreamConfigsManyWholeMtilesPerSlice) {
   REQUIRE_GPU();
   for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
     const TileConfig cfg = kGemmConfigs[ci];

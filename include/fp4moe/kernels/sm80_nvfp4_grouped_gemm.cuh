@@ -85,8 +85,6 @@ struct GroupedGemmParams {
   // itself instead of reading offsets, which its predecessor is still writing. Null: read offsets.
   const int32_t* route_ids;
   int route_n;
-  // Stream kernel: whole m-tiles parked per warp before their epilogue (stream_stash_slots_that_fit; 0: none).
-  int stash_slots;
   GroupedGemmTmaMaps tma;
 };
 

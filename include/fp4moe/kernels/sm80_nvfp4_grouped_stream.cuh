@@ -72,8 +72,6 @@ struct StreamWarpState {
   int pending;         // an owned m-tile split across warps waits for the round's barrier
   int in_round;        // a round is open (its barrier at the end is still due)
   int in_piece;        // a piece is open (cleft counted it down)
-  int stash_n;         // whole m-tiles of the current round parked in this warp's stash (stream_hop)
-  int stash_m0;        // the first of them; they are consecutive
 };
 static_assert(sizeof(StreamWarpState) == kStreamWarpStateBytes, "the layout reserves kStreamWarpStateBytes per warp");
 
@@ -105,13 +103,7 @@ struct StreamGeometry {
   StreamSmemLayout L;
 
   __device__ StreamGeometry(const GroupedGemmParams& params, uint8_t* s)
-      : p(params),
-        smem(s),
-        L(stream_smem_layout(TileConfig{16 * WARPS, BT, 64, 2, WARPS, 2, 1}, params.k, BT == 8 ? params.stash_slots : 0)) {}
-  // This warp's stash slot i, n-tile j: 32 lanes x float4.
-  __device__ float4* stash(int i, int j) const {
-    return reinterpret_cast<float4*>(smem + L.stash_offset) + (((threadIdx.x >> 5) * p.stash_slots + i) * (BT / 8) + j) * 32;
-  }
+      : p(params), smem(s), L(stream_smem_layout(TileConfig{16 * WARPS, BT, 64, 2, WARPS, 2, 1}, params.k)) {}
   __device__ int32_t* prefix() const { return reinterpret_cast<int32_t*>(smem + L.sched_offset); }
   // Expert rows (stream_build_schedule): routed offsets 0..E clamped, then the extra set's first and end row.
   __device__ int32_t* rows() const { return prefix() + kMaxExperts + 2; }
@@ -154,8 +146,7 @@ struct StreamGeometry {
 //   permutation kernel is still writing the offsets and the activation rows.
 // - prefix: segments (token tiles of BT rows) per expert, exclusive prefix, total at kMaxExperts + 1.
 template <int BT, int WARPS>
-__device__ __noinline__ void stream_build_schedule(const GroupedGemmParams& p, uint8_t* smem) {
-  const StreamGeometry<BT, WARPS> G(p, smem);
+__device__ __forceinline__ void stream_build_schedule(const GroupedGemmParams& p, const StreamGeometry<BT, WARPS>& G) {
   constexpr int kPer = (kMaxExperts + 1 + 31) / 32;  // entries 0..E of rows per lane, E <= kMaxExperts
   const int tid = threadIdx.x, lane = tid & 31;
   const int R = p.num_experts;
@@ -300,20 +291,6 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
     });
   };
 
-  // Whole m-tiles parked by stream_hop since the last call: store them now (they belong to the open round).
-  if (BT == 8 && ws.stash_n > 0) {
-    for (int i = 0; i < ws.stash_n; ++i) {
-      float st[NT][4];
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const float4 v = G.stash(i, j)[lane];
-        st[j][0] = v.x, st[j][1] = v.y, st[j][2] = v.z, st[j][3] = v.w;
-      }
-      store_mtile<NT, EPI>(p, ws.seg_e, ws.seg_x != 0, ws.stash_m0 + i, ws.seg_row0, ws.seg_rows,
-                           (ws.seg_rows + 7) >> 3, st);
-    }
-    put([&] { ws.stash_n = 0; });
-  }
   for (;;) {
     if (ws.in_piece) {  // the piece that just ran out
       put([&] { ws.in_piece = 0; });
@@ -409,39 +386,6 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
   }
 }
 
-// The hot loop's cheap way past an m-tile end: the piece that just ran out covered its whole m-tile and
-// this warp has more chunks in the round, so the accumulators go to the next stash slot and the next
-// piece (chunk 0 of the next m-tile, the same activation rows) opens here, with no call: the ring's loads
-// stay in flight and the epilogue waits for no L2 load. Returns false where stream_advance must run
-// (slices' first and last pieces, round ends, a full stash). acc is zeroed by the caller either way.
-template <int BT, int WARPS>
-__device__ __forceinline__ bool stream_hop(const StreamGeometry<BT, WARPS>& G, const float (&acc)[BT / 8][4],
-                                           StreamPiece& pc) {
-  constexpr int NT = BT / 8;
-  StreamWarpState& ws = G.ws();
-  const int n = ws.stash_n;
-  const int left = ws.round_left;
-  if (!(ws.from_start && ws.to_end && left > 0 && n < G.p.stash_slots)) return false;
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) G.stash(n, j)[lane] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-  const int Kc = G.p.k / 64;
-  const int len = min(Kc, left);
-  const int m = ws.m_cur;
-  __syncwarp();
-  if (lane == 0) {
-    if (n == 0) ws.stash_m0 = m;
-    ws.stash_n = n + 1;
-    ws.m_cur = m + 1;
-    ws.round_left = left - len;
-    ws.to_end = len == Kc;  // from_start and in_piece stay set
-  }
-  __syncwarp();
-  pc.cleft = len;
-  pc.act_ptr -= static_cast<uint32_t>(Kc) * 128u;  // the piece ran over chunks 0..Kc-1 of these rows
-  return true;
-}
-
 template <int BT, int WARPS, int DEPTH, int CTAS, int EPI>
 __global__ void __launch_bounds__(WARPS * 32, CTAS)
     sm80_nvfp4_grouped_stream_kernel(const __grid_constant__ GroupedGemmParams p) {
@@ -465,7 +409,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   const int lane = threadIdx.x & 31;
 
   // ---- segments (expert, token tile) per expert, exclusive prefix; each expert's rows ----
-  stream_build_schedule<BT, WARPS>(p, smem);
+  stream_build_schedule<BT, WARPS>(p, G);
   // CTA i of G owns units [i * U / G, (i + 1) * U / G); U < 2^31 (the launcher checks).
   {
     const int64_t units = static_cast<int64_t>(G.prefix()[kMaxExperts + 1]) * (p.n / 16);
@@ -481,7 +425,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     if (lane == 0) {
       ws.lru = ws.cru = u0;
       ws.u1 = u1;
-      ws.pending = ws.in_round = ws.in_piece = ws.stash_n = 0;
+      ws.pending = ws.in_round = ws.in_piece = 0;
     }
     __syncwarp();
   }
@@ -590,15 +534,10 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     }
     if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
     if (pc.cleft == 0) {
-      // bt 16 keeps the call: its second accumulator set beside the hop's code spilled the ring (ptxas)
-      bool hopped = false;
-      if constexpr (BT == 8) hopped = stream_hop<BT, WARPS>(G, acc, pc);
-      if (!hopped) {
-        pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]),
-                                            make_float4(acc[NT - 1][0], acc[NT - 1][1], acc[NT - 1][2], acc[NT - 1][3]));
-        alive = pc.cleft > 0;  // 0 only when the CTA has no more work
-      }
+      pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]),
+                                          make_float4(acc[NT - 1][0], acc[NT - 1][1], acc[NT - 1][2], acc[NT - 1][3]));
       zero_acc();
+      alive = pc.cleft > 0;  // 0 only when the CTA has no more work
     }
   }
 }
