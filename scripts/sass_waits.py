@@ -3,11 +3,16 @@
 change before any GPU time is spent on it (docs/kernel-design.md, "The stream kernel": the ring's loads
 complete on one scoreboard, and where the wait sits decides the effective ring depth).
 
-    python3 scripts/sass_waits.py OBJECT_OR_CUBIN KERNEL_SUBSTRING [--all]
+    python3 scripts/sass_waits.py OBJECT_OR_CUBIN KERNEL_SUBSTRING [--all] [--mix [OTHER_OBJECT]]
 
 OBJECT_OR_CUBIN: a .cu.o of the build (e.g. build/CMakeFiles/fp4moe_core.dir/src/
 sm80_nvfp4_grouped_gemm_plain.cu.o) or a .cubin. KERNEL_SUBSTRING picks the function by its mangled name,
 e.g. 'stream_kernelILi8ELi24ELi4ELi1ELi0EE' (stream_bt8_w24_d4_c1, plain epilogue).
+
+--mix also prints the instruction mix between the first and the last MMA (the unrolled turn of the ring),
+and with OTHER_OBJECT the same function's mix there beside it: a change outside the loop can still make
+ptxas compile the loop differently (bench/NOTES.md: 8 of 75 IMAD.SHL per turn became ALU-pipe LOP3 and
+S2R appeared, 4% slower), so compare the mix of a candidate with the build it replaces before a GPU run.
 
 Needs cuobjdump and nvdisasm: $CUDA_BIN, else PATH, else /usr/local/cuda/bin. The CUDA toolkit of
 this project's CI machine ships neither; they install from PyPI into a throwaway venv:
@@ -81,6 +86,32 @@ def opcode(text):
     return parts[1] if parts[0].startswith("@") and len(parts) > 1 else parts[0]
 
 
+# Opcodes worth watching in a dequantizing loop: ALU-pipe integer ops (LOP3, SHF, PRMT, IADD3, LEA), the
+# FMA-pipe ones ptxas may use instead (IMAD.*), local memory, and special-register reads.
+MIX_KEYS = ("LOP3.LUT", "SHF.R.U32.HI", "SHF.L.U32", "PRMT", "IADD3", "LEA", "VIADD", "IMAD.SHL.U32", "IMAD",
+            "IMAD.MOV.U32", "HMUL2.BF16_V2", "HMMA.16816.F32.BF16", "LDSM.16.M88.4", "LDG.E.NA.128.CONSTANT",
+            "LDG.E.NA.64.CONSTANT", "LDL", "STL", "S2R", "BRA")
+
+
+def loop_mix(ins):
+    mma = [i["addr"] for i in ins if opcode(i["text"]).startswith(("HMMA", "HGMMA"))]
+    body = [i for i in ins if min(mma) <= i["addr"] <= max(mma)]
+    counts = {}
+    for i in body:
+        counts[opcode(i["text"])] = counts.get(opcode(i["text"]), 0) + 1
+    return len(body), counts
+
+
+def print_mix(columns):
+    """columns: [(label, (total, counts))]"""
+    print("  instruction mix between the first and the last MMA:")
+    print("    " + f"{'opcode':<24}" + "".join(f"{label:>14}" for label, _ in columns))
+    print("    " + f"{'(all)':<24}" + "".join(f"{total:>14}" for _, (total, _) in columns))
+    for key in MIX_KEYS:
+        if any(c.get(key, 0) for _, (_, c) in columns):
+            print("    " + f"{key:<24}" + "".join(f"{c.get(key, 0):>14}" for _, (_, c) in columns))
+
+
 def main(argv):
     if len(argv) < 3 or argv[1] in ("-h", "--help"):
         print(__doc__)
@@ -109,6 +140,15 @@ def main(argv):
             if waits_here or (op.startswith(("LDG", "HMMA", "HGMMA", "CALL")) and "--all" in argv):
                 tag = "WAIT" if waits_here else "    "
                 print(f"    {tag} {i['addr']:#07x} {i['text'][:90]}")
+    if "--mix" in argv:
+        columns = [(os.path.basename(argv[1])[:13], loop_mix(ins))]
+        k = argv.index("--mix")
+        if k + 1 < len(argv) and not argv[k + 1].startswith("--"):
+            other_name, other = parse(disassemble(argv[k + 1]), argv[2])
+            if not other:
+                sys.exit(f"sass_waits: no function matching '{argv[2]}' in {argv[k + 1]}")
+            columns.append((os.path.basename(argv[k + 1])[:13], loop_mix(other)))
+        print_mix(columns)
     return 0
 
 
