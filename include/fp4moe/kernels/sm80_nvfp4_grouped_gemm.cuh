@@ -119,6 +119,16 @@ __device__ __forceinline__ void expert_rows(const GroupedGemmParams& p, int e, i
   b = min(max(__ldg(off + 1), a), cap);
 }
 
+// Inclusive sum of v over lanes 0..lane (every lane of the warp calls it).
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int u = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += u;
+  }
+  return v;
+}
+
 // Per-expert work counts -> exclusive prefix in shared memory (warp 0 only; E <= kMaxExperts + 1, so at
 // most 17 experts per lane). count(e) gives expert e's work units. prefix[kMaxExperts + 1] = total.
 template <typename CountFn>
@@ -135,12 +145,7 @@ __device__ __forceinline__ void build_segment_prefix(int E, int lane, int32_t* p
     if (i < per && e < E) cnt[i] = count(e);
     sum += cnt[i];
   }
-  int incl = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += v;
-  }
+  const int incl = warp_inclusive_sum(sum, lane);
   int run = incl - sum;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {

@@ -169,13 +169,7 @@ __device__ __forceinline__ void stream_build_schedule(const GroupedGemmParams& p
 #pragma unroll
       for (int i = 0; i < kPer; ++i)
         if (i < per && e0 + i < R) sum += rows[e0 + i];
-      int incl = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-      }
-      int run = incl - sum;
+      int run = warp_inclusive_sum(sum, lane) - sum;
 #pragma unroll
       for (int i = 0; i < kPer; ++i) {
         const int e = e0 + i;
