@@ -129,7 +129,9 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
   for (const TileConfig& c : kGemmConfigs) {
     const Sm80Plan p = plan_sm80(c, arch);
     valid += p.verdict.valid;
-    fmt::print("  {:<24} smem {:>9} B  regs~{:>3}  CTAs/SM {}  {}\n", c.name(), with_commas(p.smem.total_bytes),
+    // Stream configs also hold their activation rows for the whole K: bt x K x 2 B more, per problem.
+    const std::string act = c.mma == 2 ? fmt::format(" + {} B x K", c.bt * 2) : std::string();
+    fmt::print("  {:<24} smem {:>9} B{}  regs~{:>3}  CTAs/SM {}  {}\n", c.name(), with_commas(p.smem.total_bytes), act,
                p.regs.expected, p.occ.ctas_per_sm, p.verdict.valid ? "valid" : "NOT valid: " + p.verdict.reason);
   }
   fmt::print("{} of {} configs valid on {}\n", valid, kNumGemmConfigs, arch.name);
@@ -149,7 +151,7 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
     fmt::print("\n{} at T = {} on {}: what the layer runs (moe_layer_tile_configs)\n", m.name, T, arch.name);
     for (size_t g = 0; g < why.size(); ++g) {
       const TileConfig& c = cfgs[g];
-      const Sm80Plan p = plan_sm80(c, arch);
+      const Sm80Plan p = plan_sm80(c, arch, 0, ks[g]);  // stream configs: the rows of this K counted
       const Verdict pv = check_problem_sm80(c, ns[g], ks[g], es[g]);
       const int64_t r = static_cast<int64_t>(std::ceil(rows[g]));
       const WorkEstimate w = work_estimate(GemmProblem::uniform(es[g], r, ns[g], ks[g]), c.bn, c.bt, arch.num_sms,
