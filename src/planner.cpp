@@ -156,9 +156,9 @@ RegisterEstimate estimate_registers_sm80(const TileConfig& c) {
     // occupancy is decided by the launch's per-thread count, the launch-bounds cap
     r.expected = r.launch_bounds_cap;
     r.formula = fmt::format("consumers: acc wm*(bt/8)*4 = {} + A sets {}*wm*4 = {} + raw wm*(bk/64)*6 = {} + "
-                            "addressing 40 = {} -> {} of setmaxnreg's {}; launch: 65536/(1*{}) = {}",
+                            "addressing 40 = {} -> {} of setmaxnreg's {}; launch: 65536/({}*{}) = {}",
                             r.accumulators, nb, r.a_fragments, r.raw_weights, sum, r.estimate,
-                            tma_consumer_regs(c.warps), c.threads(), r.launch_bounds_cap);
+                            tma_consumer_regs(c.warps, c.ctas), r.min_blocks, c.threads(), r.launch_bounds_cap);
     return r;
   }
   // stream: the B fragments of a whole 64-K chunk (two ldmatrix.x4 per n-tile); the raw weights are the
@@ -234,9 +234,9 @@ Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_sm
   if ((cfg.mma == 1 || cfg.mma == 3) && !arch.has(kWgmma))
     v.fail(fmt::format("instruction: the config needs wgmma{} (sm_90a), {} has {}",
                        cfg.mma == 3 ? ", TMA and setmaxnreg" : "", arch.name, arch.families_string()));
-  if (cfg.mma == 3 && p.regs.estimate > tma_consumer_regs(cfg.warps))
+  if (cfg.mma == 3 && p.regs.estimate > tma_consumer_regs(cfg.warps, cfg.ctas))
     v.fail(fmt::format("registers: the consumers need ~{} per thread, setmaxnreg gives them {} ({})",
-                       p.regs.estimate, tma_consumer_regs(cfg.warps), p.regs.formula));
+                       p.regs.estimate, tma_consumer_regs(cfg.warps, cfg.ctas), p.regs.formula));
   if (!arch.has(kMmaSync))
     v.fail(fmt::format("instruction: the kernel needs mma.sync (sm_80+), {} has {}", arch.name,
                        arch.families_string()));

@@ -21,7 +21,7 @@ constexpr GemmKernelFn gemm_kernel_for() {
   if constexpr (c.mma == 2)
     return &kernels::sm80_nvfp4_grouped_stream_kernel<c.bt, c.warps, c.stages, c.ctas, EPI>;
   else if constexpr (c.mma == 3)
-    return &kernels::sm90_nvfp4_grouped_tma_kernel<c.bn, c.bt, c.bk, c.stages, c.warps, EPI>;
+    return &kernels::sm90_nvfp4_grouped_tma_kernel<c.bn, c.bt, c.bk, c.stages, c.warps, c.ctas, EPI>;
   else
     return &kernels::sm80_nvfp4_grouped_gemm_kernel<c.bn, c.bt, c.bk, c.stages, c.warps, c.mma, c.ctas, EPI>;
 }

@@ -107,23 +107,68 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
 }
 
 // The tma kernel's stage: the bytes its TMA copies complete on the stage's full barrier: codes, scales,
-// and bk/64 activation slabs of `rows` rows (the tile's width: bt/4, bt/2, 3bt/4 or bt; boxes past the
+// and bk/64 activation slabs of `rows` rows (the copy box: bt/4, bt/2, 3bt/4 or bt rows; boxes past the
 // tensor's end are zero-filled and still counted). The stage's space is sized for bt rows.
 constexpr uint32_t tma_stage_tx_bytes(const TileConfig& c, int rows) {
   return static_cast<uint32_t>(c.bn / 16) * (c.bk / 64) * 512 + static_cast<uint32_t>(c.bn / 16) * (c.bk / 64) * 64 +
          static_cast<uint32_t>(rows) * c.bk * 2;
 }
 
+// The tma kernel's wgmma widths per token tile: a work tile of r rows runs the narrowest listed width
+// >= r (the last is bt), and its activation copy is that width rounded up to bt/4 (one tensor map per
+// box height). The lists are bounded by ptxas 13.0, not by wgmma (any multiple of 8): every width is one
+// more instantiation of the K loop in the same function, and past a few of them ptxas serializes the
+// wgmmas (C7512: at one CTA per SM, five widths at bt 64 with one m64 tile per warpgroup, four with
+// two, eight at bt 128, five at bt 256; at two CTAs per SM, three at bt 32, two at bt 64). At one CTA
+// per SM every list holds the four copy boxes' heights (bt/4 .. bt), so no tile runs wider than the box
+// it copies; each list spends its other entries where the expert sizes of its tile's range of T fall
+// (bench/NOTES.md): bt 32 at ~16 rows per expert, bt 64 at ~32, bt 128 at ~64-90, bt 256 at ~128.
+inline constexpr int kTmaMaxWidths = 8;
+struct TmaWidths {
+  int n;
+  int w[kTmaMaxWidths];
+};
+constexpr TmaWidths tma_widths(int bt, int wm, int ctas = 0) {
+  if (ctas == 2) return bt == 32 ? TmaWidths{3, {16, 24, 32}} : bt == 64 ? TmaWidths{2, {40, 64}} : TmaWidths{0, {}};
+  switch (bt) {
+    case 32: return {4, {8, 16, 24, 32}};
+    case 64: return wm == 1 ? TmaWidths{5, {16, 32, 40, 48, 64}} : TmaWidths{4, {16, 32, 48, 64}};
+    case 128: return {8, {16, 32, 48, 64, 72, 80, 96, 128}};
+    case 256: return {5, {64, 128, 144, 192, 256}};
+    default: return {0, {}};
+  }
+}
+// The width a tile of `rows` rows (1..bt) runs (host side: planner, tests; the kernel unrolls the same).
+constexpr int tma_width_for(int bt, int wm, int ctas, int rows) {
+  const TmaWidths t = tma_widths(bt, wm, ctas);
+  for (int i = 0; i < t.n; ++i)
+    if (rows <= t.w[i]) return t.w[i];
+  return bt;
+}
+constexpr bool tma_widths_well_formed(int bt, int wm, int ctas) {
+  const TmaWidths t = tma_widths(bt, wm, ctas);
+  if (t.n < 1 || t.n > kTmaMaxWidths || t.w[t.n - 1] != bt || bt % 32 != 0) return false;
+  int boxes = 0;  // the copy boxes' heights bt/4, bt/2, 3bt/4 found in the list (bt is its last entry)
+  for (int i = 0; i < t.n; ++i) {
+    if (t.w[i] % 8 != 0 || t.w[i] < 8 || (i > 0 && t.w[i] <= t.w[i - 1])) return false;
+    if (t.w[i] < bt && t.w[i] % (bt / 4) == 0) ++boxes;
+  }
+  return boxes == 3 || ctas == 2;
+}
+
 // tma configs: registers per thread after setmaxnreg. The CTA's pool is what the launch allocates
-// (threads x the launch-bounds count, 65536 / threads rounded down to 8); the producer warpgroup keeps
-// 40 and the consumers split the rest, rounded down to 8: 384 x 168 = 128 x 40 + 256 x 232.
-constexpr int tma_producer_regs(int /*warps*/) { return 40; }
-constexpr int tma_consumer_regs(int warps) {
+// (threads x the launch-bounds count, 65536 / (threads x CTAs per SM) rounded down to 8); the producer
+// warpgroup keeps 24 (its one thread issues the copies; no spills at 24) and the consumers split the
+// rest, rounded down to 8: one CTA per SM, 384 x 168 = 128 x 24 + 256 x 240; two, 384 x 80 = 128 x 24 +
+// 256 x 104. (At 40 / 232 ptxas serialized the wgmmas of a fifth width in the 256-token config, C7512.)
+constexpr int tma_producer_regs(int /*warps*/) { return 24; }
+constexpr int tma_consumer_regs(int warps, int ctas = 1) {
   const int threads = (warps + 4) * 32;
-  const int launch = 65536 / threads / 8 * 8;
+  const int launch = 65536 / (threads * (ctas > 0 ? ctas : 1)) / 8 * 8;
   return (launch * threads - 128 * tma_producer_regs(warps)) / (warps * 32) / 8 * 8;
 }
-static_assert(tma_consumer_regs(8) == 232, "two consumer warpgroups get 232 registers each");
+static_assert(tma_consumer_regs(8) == 240 && tma_consumer_regs(8, 2) == 104,
+              "two consumer warpgroups get 240 registers each at one CTA per SM, 104 at two");
 
 // Whether the tuner may pick config c for a bucket of `rows_per_expert` (tokens * top_k / experts).
 // Below one row per expert (T = 1 and 8 on 256-expert models) only the stream kernel: the layer fuses the
@@ -141,7 +186,7 @@ constexpr bool tuner_may_pick(const TileConfig& c, double rows_per_expert) {
 // 255 registers (prefill tiles). The planner uses the same function for its register cap.
 constexpr int gemm_min_ctas_per_sm(const TileConfig& c) {
   if (c.mma == 2) return c.ctas > 0 ? c.ctas : 1;
-  if (c.mma == 3) return 1;
+  if (c.mma == 3) return c.ctas > 0 ? c.ctas : 1;
   return c.ctas > 0 ? c.ctas : (c.wm() * (c.bt / 8) * 4 > 48 ? 1 : 2);
 }
 
@@ -156,14 +201,17 @@ constexpr bool tile_config_well_formed(const TileConfig& c) {
                       c.ctas >= 0 && c.ctas <= 4;
   if (c.mma == 0) return common && c.bt <= 128;
   // tma: two consumer warpgroups, each wm() m64 tiles (a warp: wm() m16 tiles); a token tile of 32..256
-  // (the instruction's N is bt/4, bt/2, 3bt/4 or bt per work tile); at most 128 accumulator registers
+  // (the instruction's N: tma_widths(bt)); at most 128 accumulator registers
   // (wm * bt / 2) beside the A fragments (the planner checks them against tma_consumer_regs); one CTA
-  // per SM. (Three and four consumer warpgroups compiled with setmaxnreg ignored, C7507, and serialized
-  // wgmmas, C7512, under ptxas 13.0: bench/NOTES.md.)
+  // per SM, or two for the small tiles below. (Three and four consumer warpgroups compiled with
+  // setmaxnreg ignored, C7507, and serialized wgmmas, C7512, under ptxas 13.0: bench/NOTES.md.)
   if (c.mma == 3)
     return common && c.warps == 8 &&
            (c.bt == 32 || c.bt == 64 || c.bt == 128 || c.bt == 256) &&
-           (c.bk == 64 || c.bk == 128) && c.ctas == 0 && c.wm() * c.bt <= 256;
+           (c.bk == 64 || c.bk == 128) && c.wm() * c.bt <= 256 && tma_widths_well_formed(c.bt, c.wm(), c.ctas) &&
+           // two CTAs per SM (104 registers per consumer): one m64 tile per warpgroup, up to 64 tokens,
+           // 64-wide stages (four A sets)
+           (c.ctas == 0 || (c.ctas == 2 && c.wm() == 1 && c.bt <= 64 && c.bk == 64));
   // wgmma: one warpgroup per 64 features (wm = 1), token tile = the instruction's N
   return c.mma == 1 && common && c.stages >= 3 && c.wm() == 1 && c.warps % 4 == 0 &&
          (c.bt == 64 || c.bt == 128 || c.bt == 256);
@@ -210,6 +258,11 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {256, 64, 64, 12, 8, 3},     // (bk 128 with two m64 tiles per warpgroup spilled at 232 registers)
     {128, 128, 64, 10, 8, 3},
     {128, 256, 64, 5, 8, 3},
+    // two CTAs per SM (104 registers per consumer): twice the warps per scheduler to hide the
+    // dequantization's integer chains at 16-64 rows per expert, and one CTA's tile end (wgmma drain,
+    // epilogue) under the other's K loop
+    {128, 32, 64, 12, 8, 3, 2},
+    {128, 64, 64, 8, 8, 3, 2},
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);
 

@@ -72,6 +72,38 @@ TEST(Planner, SmemEqualsKernelLayoutForEveryConfig) {
   }
 }
 
+// tma configs: every tile of 1..bt rows gets a listed wgmma width that covers its rows and fits the
+// activation box the producer copies (that width rounded up to bt/4, at most bt); hand-checked widths.
+TEST(Planner, TmaWidthsCoverEveryTileAndFitTheCopy) {
+  for (const TileConfig& c : kGemmConfigs) {
+    if (c.mma != 3) continue;
+    SCOPED_TRACE(c.name());
+    const TmaWidths t = tma_widths(c.bt, c.wm(), c.ctas);
+    ASSERT_TRUE(tma_widths_well_formed(c.bt, c.wm(), c.ctas));
+    ASSERT_GE(t.n, c.ctas == 2 ? 2 : 4);
+    for (int rows = 1; rows <= c.bt; ++rows) {
+      const int w = tma_width_for(c.bt, c.wm(), c.ctas, rows);
+      const int box = (w + c.bt / 4 - 1) / (c.bt / 4) * (c.bt / 4);
+      EXPECT_GE(w, rows);
+      EXPECT_EQ(w % 8, 0);
+      EXPECT_LE(box, c.bt);
+      // at one CTA per SM never wider than its copy box (the width before the lists)
+      if (c.ctas == 0) {
+        EXPECT_LE(w, (rows + c.bt / 4 - 1) / (c.bt / 4) * (c.bt / 4)) << "rows " << rows;
+      }
+    }
+  }
+  EXPECT_EQ(tma_width_for(64, 1, 0, 33), 40);
+  EXPECT_EQ(tma_width_for(64, 2, 0, 33), 48);
+  EXPECT_EQ(tma_width_for(256, 1, 0, 129), 144);
+  EXPECT_EQ(tma_width_for(256, 1, 0, 161), 192);
+  EXPECT_EQ(tma_width_for(128, 1, 0, 65), 72);
+  EXPECT_EQ(tma_width_for(32, 2, 0, 1), 8);
+  EXPECT_EQ(tma_width_for(64, 1, 2, 1), 40);
+  EXPECT_EQ(tma_width_for(32, 1, 2, 17), 24);
+  EXPECT_FALSE(tma_widths_well_formed(48, 1, 0));  // no list for that tile
+}
+
 TEST(Planner, StreamConfigHandCountedAndKLimit) {
   // stream_bt8_w24_d4_c1 at GLM-5's K = 6144: rows 8 * 6144 * 2 = 98,304; partials 24 * 1 * 32 * 16 =
   // 12,288; scheduler (512 + 2 + 512 + 3) * 4 = 4,116 -> 4,224; warp state 24 * 64 = 1,536: 116,352 B.

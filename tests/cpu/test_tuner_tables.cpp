@@ -308,7 +308,7 @@ TEST(ShippedTuneTables, ServeAnyH200Install) {
     EXPECT_FALSE(k.config_list.empty()) << f;
   }
   // Every shipped pick obeys the tuner's rule (tuner_may_pick): no tma config below one row per expert,
-  // and every bucket's pick is its fastest eligible timing.
+  // and every bucket's pick is its fastest eligible timing (or a layer A/B's, with a note).
   for (const char* f : {"/h200-glm-5.json", "/h200-kimi-k2.json", "/h200-gpt-oss-120b.json", "/h200-qwen3-30b.json"}) {
     std::ifstream in(dir + f);
     const nlohmann::json doc = nlohmann::json::parse(in);
@@ -320,7 +320,16 @@ TEST(ShippedTuneTables, ServeAnyH200Install) {
         for (const auto& t : b.at("timings"))
           if (tuner_may_pick(tile_config_from_json(t.at("cfg")), rows))
             fastest = std::min(fastest, t.at("median_us").get<double>());
-        EXPECT_DOUBLE_EQ(b.at("best_us").get<double>(), fastest) << f << " T=" << b.at("tokens");
+        // A bucket may keep a slower pick only where a same-machine layer A/B overruled the GEMM-alone
+        // timing; its "pick_note" names the result file, and the pick is still one of its timings.
+        if (b.contains("pick_note")) {
+          EXPECT_NE(b.at("pick_note").get<std::string>().find("bench/results/"), std::string::npos) << f;
+          bool timed = false;
+          for (const auto& t : b.at("timings")) timed = timed || t.at("config") == b.at("best_name");
+          EXPECT_TRUE(timed) << f << " T=" << b.at("tokens");
+        } else {
+          EXPECT_DOUBLE_EQ(b.at("best_us").get<double>(), fastest) << f << " T=" << b.at("tokens");
+        }
       }
   }
   // Another GPU does not use them.

@@ -283,9 +283,10 @@ TEST(GroupedGemmGpu, StreamGlm5DecodeShapes) {
               32);
 }
 
-// tma configs (sm_90a): every instruction width a tile can pick (rows 1, bt/4, bt/4 + 1, ... bt, then a
-// second token tile of one row), a partial feature tile (n = bn + 48), one K stage and several, both
-// epilogues; empty experts in between. Elsewhere the launch must refuse them with the reason.
+// tma configs (sm_90a): every instruction width a tile can pick (each width of tma_widths with its
+// narrowest and widest rows, every activation box's exact height bt/4 .. bt, then a second token tile
+// of one row), a partial feature tile (n = bn + 48), one K stage and several, both epilogues; empty
+// experts in between. Elsewhere the launch must refuse them with the reason.
 TEST(GroupedGemmGpu, TmaConfigsEveryTileWidth) {
   REQUIRE_GPU();
   const ArchInfo arch = arch_from_device(0);
@@ -294,7 +295,12 @@ TEST(GroupedGemmGpu, TmaConfigsEveryTileWidth) {
     if (cfg.mma != 3) continue;
     SCOPED_TRACE(cfg.name());
     const int q = cfg.bt / 4;
-    const std::vector<int> rows = {1, 0, q, q + 1, 2 * q + 3, 0, 3 * q + 1, cfg.bt, cfg.bt + 1, 2 * cfg.bt + 5};
+    std::vector<int> rows = {0, q, 2 * q, 0, 3 * q, cfg.bt, cfg.bt + 1, 2 * cfg.bt + 5};
+    const TmaWidths tw = tma_widths(cfg.bt, cfg.wm(), cfg.ctas);
+    for (int i = 0; i < tw.n; ++i) {  // each width's narrowest and widest tile
+      rows.push_back(i == 0 ? 1 : tw.w[i - 1] + 1);
+      rows.push_back(tw.w[i]);
+    }
     if (!plan_sm80(cfg, arch).verdict.valid) {
       try {
         run_problem({cfg.bn + 48, cfg.bk, rows, GemmEpilogue::kPlain}, cfg, 60 + ci);

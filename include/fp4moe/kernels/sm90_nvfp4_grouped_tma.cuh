@@ -16,12 +16,16 @@
 //   issues its wgmmas; a step's A registers are rewritten only after the wgmma that read them retired
 //   (wgmma.wait_group<NB - 1>, TmaConsumer::NB), so up to a stage of wgmmas is in flight under the
 //   dequantization.
-// - The instruction's N follows the tile's rows: bt/4, bt/2, 3bt/4 or bt tokens (one branch per tile),
-//   so an expert of 33 rows in a 64-token tile costs a 48-wide wgmma, not a 64-wide one.
+// - The instruction's N follows the tile's rows: the narrowest of a short list per token tile
+//   (tma_widths, one branch per tile), so an expert of 33 rows in a 64-token tile costs a 40-wide
+//   wgmma, not a 64-wide one. The activation copy is that width rounded up to bt/4 rows (one tensor map
+//   per box height).
 // - Work tiles (expert, feature tile, token tile) and the epilogue are the pipeline kernel's
 //   (sm80_nvfp4_grouped_gemm.cuh): the same rounding, stores from registers.
 #pragma once
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include <cuda_bf16.h>
 
@@ -34,17 +38,37 @@
 
 namespace fp4moe::kernels {
 
-// The wgmma width a work tile of `rows` rows uses: index w of bt/4, bt/2, 3bt/4, bt (the narrowest that
-// covers the rows). The producer sizes the activation copy by it and the consumers the instruction, so
-// both call this one function.
-template <int BT>
-__device__ __forceinline__ int tma_width_index(int rows) {
-  return min((rows - 1) / (BT / 4), 3);
+// A work tile of `rows` rows runs the wgmma width tma_width_for(bt, wm, ctas, rows) (tile_config.hpp: the
+// narrowest of a short list per config), and copies that width rounded up to bt/4 rows: copy index w of
+// the four boxes bt/4, bt/2, 3bt/4, bt (one tensor map each). The producer sizes the copy and its
+// transaction bytes by it, the consumers run the K loop instantiated for the width. Both unroll over the
+// list (a loop over it kept the list in local memory).
+template <int BT, int WM, int CTAS, int... I>
+__device__ __forceinline__ int tma_copy_index_impl(int rows, std::integer_sequence<int, I...>) {
+  constexpr TmaWidths kW = tma_widths(BT, WM, CTAS);
+  int w = 0;
+  ((w = (w == 0 && rows <= kW.w[I]) ? kW.w[I] : w), ...);
+  return (w - 1) / (BT / 4);
+}
+template <int BT, int WM, int CTAS>
+__device__ __forceinline__ int tma_copy_index(int rows) {
+  return tma_copy_index_impl<BT, WM, CTAS>(rows, std::make_integer_sequence<int, tma_widths(BT, WM, CTAS).n>{});
+}
+// f(integral_constant<int, N>) with N = the tile's width: one instantiation of the K loop per listed
+// width (ptxas serializes the wgmmas past a few of them: tile_config.hpp).
+template <int BT, int WM, int CTAS, class F, int... I>
+__device__ __forceinline__ void tma_with_width_impl(int rows, F& f, std::integer_sequence<int, I...>) {
+  constexpr TmaWidths kW = tma_widths(BT, WM, CTAS);
+  (void)((rows <= kW.w[I] ? (f(std::integral_constant<int, kW.w[I]>{}), true) : false) || ...);
+}
+template <int BT, int WM, int CTAS, class F>
+__device__ __forceinline__ void tma_with_width(int rows, F&& f) {
+  tma_with_width_impl<BT, WM, CTAS>(rows, f, std::make_integer_sequence<int, tma_widths(BT, WM, CTAS).n>{});
 }
 
-template <int BN, int BT, int BK, int STAGES, int WARPS, int EPI>
+template <int BN, int BT, int BK, int STAGES, int WARPS, int CTAS, int EPI>
 struct TmaConsumer {
-  static constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS, 3, 0};
+  static constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS, 3, CTAS};
   static constexpr GemmSmemLayout kL = gemm_smem_layout(kCfg);
   static constexpr int WM = BN / (16 * WARPS);  // m16 tiles per warp = m64 tiles per warpgroup
   static constexpr int KC = BK / 64;            // 64-wide chunks per stage
@@ -120,11 +144,11 @@ struct TmaConsumer {
   }
 };
 
-template <int BN, int BT, int BK, int STAGES, int WARPS, int EPI>
-__global__ void __launch_bounds__((WARPS + 4) * 32, 1)
+template <int BN, int BT, int BK, int STAGES, int WARPS, int CTAS, int EPI>
+__global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     sm90_nvfp4_grouped_tma_kernel(const __grid_constant__ GroupedGemmParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = TmaConsumer<BN, BT, BK, STAGES, WARPS, EPI>;
+  using C = TmaConsumer<BN, BT, BK, STAGES, WARPS, CTAS, EPI>;
   static_assert(tile_config_well_formed(C::kCfg), "tma config is malformed: see tile_config_well_formed()");
   constexpr GemmSmemLayout kL = C::kL;
   constexpr TileConfig kCfg = C::kCfg;
@@ -189,7 +213,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, 1)
       const WorkTile t =
           decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
       // the consumers' width, and the activation map whose box has that many rows
-      const int wsel = tma_width_index<BT>(t.rows);
+      const int wsel = tma_copy_index<BT, BN / (16 * WARPS), CTAS>(t.rows);
       const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
       const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
       const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
@@ -215,7 +239,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, 1)
   }
 
   // ---- consumer warpgroups ----
-  setmaxnreg_inc<tma_consumer_regs(WARPS)>();
+  setmaxnreg_inc<tma_consumer_regs(WARPS, CTAS)>();
   const int E = p.num_experts + (p.x_offsets != nullptr ? 1 : 0);
   if (warp == 4) {
     const int ftiles = (p.n + BN - 1) / BN;
@@ -230,12 +254,9 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, 1)
 #pragma unroll 1
   for (int ti = 0; ti < my_tiles; ++ti) {
     const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
-    switch (tma_width_index<BT>(t.rows)) {  // uniform over the CTA
-      case 0: C::template mainloop<BT / 4>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
-      case 1: C::template mainloop<BT / 2>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
-      case 2: C::template mainloop<3 * BT / 4>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
-      default: C::template mainloop<BT>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase); break;
-    }
+    tma_with_width<BT, C::WM, CTAS>(t.rows, [&](auto width) {  // uniform over the CTA
+      C::template mainloop<decltype(width)::value>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase);
+    });
     const int valid_nt = (t.rows + 7) >> 3;
     const int wg = cw >> 2, wq = cw & 3;
 #pragma unroll
