@@ -26,6 +26,7 @@ struct ExplainArgs {
   std::string tile;
   int stages = 0;
   int warps = 0;
+  int ctas = -1;
   bool wgmma = false;
   bool tma = false;
   std::string model;
@@ -87,13 +88,16 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
     TileConfig cfg{t[0], t[1], t[2], 4, 8, a.tma ? 3 : a.wgmma ? 1 : 0};
     // Defaults for stages / warps: the instantiated config with this bn x bt x bk (and MMA kind), if any.
     for (const TileConfig& c : kGemmConfigs)
-      if (c.bn == cfg.bn && c.bt == cfg.bt && c.bk == cfg.bk && c.mma == cfg.mma) {
+      if (c.bn == cfg.bn && c.bt == cfg.bt && c.bk == cfg.bk && c.mma == cfg.mma &&
+          (a.ctas < 0 || c.ctas == a.ctas)) {
         cfg.stages = c.stages;
         cfg.warps = c.warps;
+        cfg.ctas = c.ctas;
         break;
       }
     if (a.stages > 0) cfg.stages = a.stages;
     if (a.warps > 0) cfg.warps = a.warps;
+    if (a.ctas >= 0) cfg.ctas = a.ctas;
     const Sm80Plan p = plan_sm80(cfg, arch);
     fmt::print("kernel {} tile {} (--tile is BN x BT x BK: features x tokens x K per CTA tile; {} stages, {} "
                "warps, {} threads)\n",
@@ -107,6 +111,17 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
                  with_commas(p.smem.stage_bytes), p.max_stages_that_fit,
                  cfg.mma == 3 ? " (with 16 B of mbarriers per stage, in 128-byte blocks)" : "");
       fmt::print("registers (estimate): {}\n", p.regs.formula);
+      if (cfg.mma == 3) {
+        // the instruction widths this config's kernel is instantiated for (tile_config.hpp, tma_widths)
+        const TmaWidths tw = tma_widths(cfg.bt, cfg.wm(), cfg.ctas);
+        std::string ws;
+        for (int i = 0; i < tw.n; ++i) ws += (i ? ", " : "") + std::to_string(tw.w[i]);
+        fmt::print("  setmaxnreg: producer warpgroup {}, consumers {} per thread\n", tma_producer_regs(cfg.warps),
+                   tma_consumer_regs(cfg.warps, cfg.ctas));
+        fmt::print("wgmma widths per tile: {} (a tile of r rows runs the narrowest >= r; its activation copy is that "
+                   "width rounded up to a multiple of bt/4 = {} rows)\n",
+                   tw.n > 0 ? ws : "none (no list for this tile)", cfg.bt / 4);
+      }
       fmt::print("  expected per thread: {}\n", p.regs.expected);
       fmt::print("CTAs per SM: shared memory {} ({} / ({} + {} reserved)), registers {}, threads {}, CTA cap {} "
                  "-> {} ({} limits)\n",
@@ -228,6 +243,8 @@ void register_explain(CLI::App& app) {
                   "sm80-nvfp4-grouped: BNxBTxBK (features x tokens x K); cutlass: MxNxK. Without it: every config");
   cmd->add_option("--stages", args->stages, "pipeline stages (default: the instantiated config's; cutlass: StageCountAutoCarveout)");
   cmd->add_option("--warps", args->warps, "math warps (sm80-nvfp4-grouped)");
+  cmd->add_option("--ctas", args->ctas,
+                  "sm80-nvfp4-grouped: CTAs per SM the kernel is compiled for (default: the instantiated config's)");
   cmd->add_flag("--wgmma", args->wgmma, "sm80-nvfp4-grouped: the wgmma (sm_90a) variant of the tile");
   cmd->add_flag("--tma", args->tma,
                 "sm80-nvfp4-grouped: the tma kernel's variant of the tile (sm_90a: TMA producer + wgmma consumers)");
