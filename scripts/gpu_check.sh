@@ -166,16 +166,19 @@ for s in "${steps[@]}"; do
         overall=1
         continue
       fi
-      # One decode-sized GEMM pair; clocks left to the GPU (--clock-control none), as in the benchmarks.
+      # One GEMM pair of the size NCU_TOKENS picks (stream, pipeline or tma kernels); clocks left to the GPU
+      # (--clock-control none), as in the benchmarks. dram__bytes_read.sum against the GEMM's weight bytes
+      # says whether each weight is read from DRAM once (issue 9: <= 1.10x up to T = 1024).
       # shellcheck disable=SC2086
-      timeout "${NCU_TIMEOUT:-600}" ncu --clock-control none --kernel-name regex:sm80_nvfp4 --launch-skip 2 \
+      timeout "${NCU_TIMEOUT:-600}" ncu --clock-control none --kernel-name regex:nvfp4_grouped --launch-skip 2 \
         --launch-count 2 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-        --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy ${NCU_ARGS:-} \
+        --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+        --metrics dram__bytes_read.sum ${NCU_ARGS:-} \
         --export "$OUT/ncu" --force-overwrite \
         "$B/fp4moe" bench --model "$MODEL" --mode gemm --tokens "${NCU_TOKENS:-128}" --no-baseline --reps 1 \
         > "$OUT/ncu.txt" 2>&1
       rc=$?
-      grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps|Achieved Occupancy|Registers Per" \
+      grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issue Slots Busy|No Eligible|Active Warps Per Scheduler|Eligible Warps|Achieved Occupancy|Registers Per|dram__bytes_read" \
         "$OUT/ncu.txt" | head -40
       record ncu "$([ $rc -eq 0 ] && echo ok || echo "FAILED (rc $rc)")" $((SECONDS - t0)) "ncu.txt, ncu.ncu-rep" \
         "T = ${NCU_TOKENS:-128}, $MODEL GEMM pair"
