@@ -128,7 +128,7 @@ struct TmaWidths {
   int n;
   int w[kTmaMaxWidths];
 };
-constexpr TmaWidths tma_widths(int bt, int wm, int ctas = 0) {
+constexpr TmaWidths tma_widths(int bt, int wm, int ctas) {  // ctas: TileConfig::ctas (0: one)
   if (ctas == 2) return bt == 32 ? TmaWidths{3, {16, 24, 32}} : bt == 64 ? TmaWidths{2, {40, 64}} : TmaWidths{0, {}};
   switch (bt) {
     case 32: return {4, {8, 16, 24, 32}};
@@ -162,12 +162,12 @@ constexpr bool tma_widths_well_formed(int bt, int wm, int ctas) {
 // rest, rounded down to 8: one CTA per SM, 384 x 168 = 128 x 24 + 256 x 240; two, 384 x 80 >= 128 x 24 +
 // 256 x 104. (At 40 / 232 ptxas serialized the wgmmas of a fifth width in the 256-token config, C7512.)
 constexpr int tma_producer_regs(int /*warps*/) { return 24; }
-constexpr int tma_consumer_regs(int warps, int ctas = 1) {
+constexpr int tma_consumer_regs(int warps, int ctas) {  // ctas: TileConfig::ctas (0: one)
   const int threads = (warps + 4) * 32;
   const int launch = 65536 / (threads * (ctas > 0 ? ctas : 1)) / 8 * 8;
   return (launch * threads - 128 * tma_producer_regs(warps)) / (warps * 32) / 8 * 8;
 }
-static_assert(tma_consumer_regs(8) == 240 && tma_consumer_regs(8, 2) == 104,
+static_assert(tma_consumer_regs(8, 0) == 240 && tma_consumer_regs(8, 2) == 104,
               "two consumer warpgroups get 240 registers each at one CTA per SM, 104 at two");
 
 // Whether the tuner may pick config c for a bucket of `rows_per_expert` (tokens * top_k / experts).
@@ -201,7 +201,7 @@ constexpr bool tile_config_well_formed(const TileConfig& c) {
                       c.ctas >= 0 && c.ctas <= 4;
   if (c.mma == 0) return common && c.bt <= 128;
   // tma: two consumer warpgroups, each wm() m64 tiles (a warp: wm() m16 tiles); a token tile of 32..256
-  // (the instruction's N: tma_widths(bt)); at most 128 accumulator registers
+  // (the instruction's N: tma_widths); at most 128 accumulator registers
   // (wm * bt / 2) beside the A fragments (the planner checks them against tma_consumer_regs); one CTA
   // per SM, or two for the small tiles below. (Three and four consumer warpgroups compiled with
   // setmaxnreg ignored, C7507, and serialized wgmmas, C7512, under ptxas 13.0: bench/NOTES.md.)

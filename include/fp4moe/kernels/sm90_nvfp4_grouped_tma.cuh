@@ -40,22 +40,11 @@ namespace fp4moe::kernels {
 
 // A work tile of `rows` rows runs the wgmma width tma_width_for(bt, wm, ctas, rows) (tile_config.hpp: the
 // narrowest of a short list per config), and copies that width rounded up to bt/4 rows: copy index w of
-// the four boxes bt/4, bt/2, 3bt/4, bt (one tensor map each). The producer sizes the copy and its
-// transaction bytes by it, the consumers run the K loop instantiated for the width. Both unroll over the
-// list (a loop over it kept the list in local memory).
-template <int BT, int WM, int CTAS, int... I>
-__device__ __forceinline__ int tma_copy_index_impl(int rows, std::integer_sequence<int, I...>) {
-  constexpr TmaWidths kW = tma_widths(BT, WM, CTAS);
-  int w = 0;
-  ((w = (w == 0 && rows <= kW.w[I]) ? kW.w[I] : w), ...);
-  return (w - 1) / (BT / 4);
-}
-template <int BT, int WM, int CTAS>
-__device__ __forceinline__ int tma_copy_index(int rows) {
-  return tma_copy_index_impl<BT, WM, CTAS>(rows, std::make_integer_sequence<int, tma_widths(BT, WM, CTAS).n>{});
-}
-// f(integral_constant<int, N>) with N = the tile's width: one instantiation of the K loop per listed
-// width (ptxas serializes the wgmmas past a few of them: tile_config.hpp).
+// the four boxes bt/4, bt/2, 3bt/4, bt (one tensor map each). Both roles go through tma_with_width: the
+// producer sizes the copy and its transaction bytes by the width, the consumers run the K loop
+// instantiated for it (one instantiation per listed width; ptxas serializes the wgmmas past a few of
+// them: tile_config.hpp). f(integral_constant<int, N>) runs with N = the tile's width; the list is
+// unrolled (a loop over it kept the list in local memory).
 template <int BT, int WM, int CTAS, class F, int... I>
 __device__ __forceinline__ void tma_with_width_impl(int rows, F& f, std::integer_sequence<int, I...>) {
   constexpr TmaWidths kW = tma_widths(BT, WM, CTAS);
@@ -213,7 +202,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       const WorkTile t =
           decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
       // the consumers' width, and the activation map whose box has that many rows
-      const int wsel = tma_copy_index<BT, BN / (16 * WARPS), CTAS>(t.rows);
+      int wsel = 3;
+      tma_with_width<BT, C::WM, CTAS>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
       const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
       const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
       const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
