@@ -89,7 +89,7 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
     // Defaults for stages / warps: the instantiated config with this bn x bt x bk (and MMA kind), if any.
     for (const TileConfig& c : kGemmConfigs)
       if (c.bn == cfg.bn && c.bt == cfg.bt && c.bk == cfg.bk && c.mma == cfg.mma &&
-          (a.ctas < 0 || c.ctas == a.ctas)) {
+          (a.ctas < 0 || c.ctas == a.ctas) && (a.warps <= 0 || c.warps == a.warps)) {
         cfg.stages = c.stages;
         cfg.warps = c.warps;
         cfg.ctas = c.ctas;
@@ -113,7 +113,7 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
       fmt::print("registers (estimate): {}\n", p.regs.formula);
       if (cfg.mma == 3) {
         // the instruction widths this config's kernel is instantiated for (tile_config.hpp, tma_widths)
-        const TmaWidths tw = tma_widths(cfg.bt, cfg.wm(), cfg.ctas);
+        const TmaWidths tw = tma_widths(cfg);
         std::string ws;
         for (int i = 0; i < tw.n; ++i) ws += (i ? ", " : "") + std::to_string(tw.w[i]);
         fmt::print("  setmaxnreg: producer warpgroup {}, consumers {} per thread\n", tma_producer_regs(cfg.warps),

@@ -118,42 +118,52 @@ constexpr uint32_t tma_stage_tx_bytes(const TileConfig& c, int rows) {
 // >= r (the last is bt), and its activation copy is that width rounded up to bt/4 (one tensor map per
 // box height). The lists are bounded by ptxas 13.0, not by wgmma (any multiple of 8): every width is one
 // more instantiation of the K loop in the same function, and past a few of them ptxas serializes the
-// wgmmas (C7512: at one CTA per SM, five widths at bt 64 with one m64 tile per warpgroup, four with
-// two, eight at bt 128, five at bt 256; at two CTAs per SM, three at bt 32, two at bt 64). At one CTA
-// per SM every list holds the four copy boxes' heights (bt/4 .. bt), so no tile runs wider than the box
-// it copies; each list spends its other entries where the expert sizes of its tile's range of T fall
-// (bench/NOTES.md): bt 32 at ~16 rows per expert, bt 64 at ~32, bt 128 at ~64-90, bt 256 at ~128.
+// wgmmas (C7512). Measured limits: two consumer warpgroups at one CTA per SM (240 registers), five
+// widths at bt 64 with one m64 tile per warpgroup, four with two, eight at bt 128, five at bt 256; two
+// CTAs per SM (104 registers), three at bt 32, two at bt 64; four consumer warpgroups (112 registers),
+// four at bt 32, three at bt 64. Each list spends its entries where the expert sizes of its tile's range
+// of T fall (bench/NOTES.md): bt 32 at ~16 rows per expert, bt 64 at ~32, bt 128 at ~64-90, bt 256 at
+// ~128.
 inline constexpr int kTmaMaxWidths = 8;
 struct TmaWidths {
   int n;
   int w[kTmaMaxWidths];
 };
-constexpr TmaWidths tma_widths(int bt, int wm, int ctas) {  // ctas: TileConfig::ctas (0: one)
-  if (ctas == 2) return bt == 32 ? TmaWidths{3, {16, 24, 32}} : bt == 64 ? TmaWidths{2, {40, 64}} : TmaWidths{0, {}};
+constexpr TmaWidths tma_widths(const TileConfig& c) {
+  const int bt = c.bt;
+  if (c.ctas == 2) return bt == 32 ? TmaWidths{3, {16, 24, 32}} : bt == 64 ? TmaWidths{2, {40, 64}} : TmaWidths{0, {}};
+  // four consumer warpgroups (112 registers each): at bt 64 a fourth width serializes the wgmmas, so the
+  // list spends its three on ~32 rows per expert (T = 1024 on GLM-5 and gpt-oss-120b); tiles of up to
+  // 16 rows run 32 wide there (bt 32 is the config for them)
+  if (c.warps == 16) return bt == 32 ? TmaWidths{4, {8, 16, 24, 32}} : bt == 64 ? TmaWidths{3, {32, 40, 64}} : TmaWidths{0, {}};
   switch (bt) {
     case 32: return {4, {8, 16, 24, 32}};
-    case 64: return wm == 1 ? TmaWidths{5, {16, 32, 40, 48, 64}} : TmaWidths{4, {16, 32, 48, 64}};
+    case 64: return c.wm() == 1 ? TmaWidths{5, {16, 32, 40, 48, 64}} : TmaWidths{4, {16, 32, 48, 64}};
     case 128: return {8, {16, 32, 48, 64, 72, 80, 96, 128}};
     case 256: return {5, {64, 128, 144, 192, 256}};
     default: return {0, {}};
   }
 }
 // The width a tile of `rows` rows (1..bt) runs (host side: planner, tests; the kernel unrolls the same).
-constexpr int tma_width_for(int bt, int wm, int ctas, int rows) {
-  const TmaWidths t = tma_widths(bt, wm, ctas);
+constexpr int tma_width_for(const TileConfig& c, int rows) {
+  const TmaWidths t = tma_widths(c);
   for (int i = 0; i < t.n; ++i)
     if (rows <= t.w[i]) return t.w[i];
-  return bt;
+  return c.bt;
 }
-constexpr bool tma_widths_well_formed(int bt, int wm, int ctas) {
-  const TmaWidths t = tma_widths(bt, wm, ctas);
+// Every list ends at bt and ascends in multiples of 8. The two-warpgroup lists at one CTA per SM also hold
+// the copy boxes' heights bt/4, bt/2, 3bt/4, so none of their tiles runs wider than the box it copies (as
+// before the lists); the two-CTA and four-warpgroup lists are too short for that.
+constexpr bool tma_widths_well_formed(const TileConfig& c) {
+  const int bt = c.bt;
+  const TmaWidths t = tma_widths(c);
   if (t.n < 1 || t.n > kTmaMaxWidths || t.w[t.n - 1] != bt || bt % 32 != 0) return false;
   int boxes = 0;  // the copy boxes' heights bt/4, bt/2, 3bt/4 found in the list (bt is its last entry)
   for (int i = 0; i < t.n; ++i) {
     if (t.w[i] % 8 != 0 || t.w[i] < 8 || (i > 0 && t.w[i] <= t.w[i - 1])) return false;
     if (t.w[i] < bt && t.w[i] % (bt / 4) == 0) ++boxes;
   }
-  return boxes == 3 || ctas == 2;
+  return boxes == 3 || c.ctas == 2 || c.warps == 16;
 }
 
 // tma configs: registers per thread after setmaxnreg. The CTA's pool is what the launch allocates
@@ -167,8 +177,8 @@ constexpr int tma_consumer_regs(int warps, int ctas) {  // ctas: TileConfig::cta
   const int launch = 65536 / (threads * (ctas > 0 ? ctas : 1)) / 8 * 8;
   return (launch * threads - 128 * tma_producer_regs(warps)) / (warps * 32) / 8 * 8;
 }
-static_assert(tma_consumer_regs(8, 0) == 240 && tma_consumer_regs(8, 2) == 104,
-              "two consumer warpgroups get 240 registers each at one CTA per SM, 104 at two");
+static_assert(tma_consumer_regs(8, 0) == 240 && tma_consumer_regs(8, 2) == 104 && tma_consumer_regs(16, 0) == 112,
+              "two consumer warpgroups get 240 registers each at one CTA per SM, 104 at two; four get 112");
 
 // Whether the tuner may pick config c for a bucket of `rows_per_expert` (tokens * top_k / experts).
 // Below one row per expert (T = 1 and 8 on 256-expert models) only the stream kernel: the layer fuses the
@@ -203,12 +213,14 @@ constexpr bool tile_config_well_formed(const TileConfig& c) {
   // tma: two consumer warpgroups, each wm() m64 tiles (a warp: wm() m16 tiles); a token tile of 32..256
   // (the instruction's N: tma_widths); at most 128 accumulator registers
   // (wm * bt / 2) beside the A fragments (the planner checks them against tma_consumer_regs); one CTA
-  // per SM, or two for the small tiles below. (Three and four consumer warpgroups compiled with
-  // setmaxnreg ignored, C7507, and serialized wgmmas, C7512, under ptxas 13.0: bench/NOTES.md.)
+  // per SM, or two for the small tiles below. Four consumer warpgroups (16 warps, 112 registers each):
+  // one m64 tile each, up to 64 tokens, 64-wide stages; more warps per scheduler without more
+  // activation reads from L2 (bn 256). (Three warpgroups, and four before the producer kept 24
+  // registers, compiled with setmaxnreg ignored, C7507, or serialized wgmmas, C7512: bench/NOTES.md.)
   if (c.mma == 3)
-    return common && c.warps == 8 &&
+    return common && (c.warps == 8 || (c.warps == 16 && c.wm() == 1 && c.bt <= 64 && c.bk == 64 && c.ctas == 0)) &&
            (c.bt == 32 || c.bt == 64 || c.bt == 128 || c.bt == 256) &&
-           (c.bk == 64 || c.bk == 128) && c.wm() * c.bt <= 256 && tma_widths_well_formed(c.bt, c.wm(), c.ctas) &&
+           (c.bk == 64 || c.bk == 128) && c.wm() * c.bt <= 256 && tma_widths_well_formed(c) &&
            // two CTAs per SM (104 registers per consumer): one m64 tile per warpgroup, up to 64 tokens,
            // 64-wide stages (four A sets)
            (c.ctas == 0 || (c.ctas == 2 && c.wm() == 1 && c.bt <= 64 && c.bk == 64));
@@ -263,6 +275,10 @@ inline constexpr TileConfig kGemmConfigs[] = {
     // epilogue) under the other's K loop
     {128, 32, 64, 12, 8, 3, 2},
     {128, 64, 64, 8, 8, 3, 2},
+    // four consumer warpgroups (112 registers each): four consumer warps per scheduler at bn 256, so
+    // the activations are read from L2 once per 256 features, as with two warpgroups of two m64 tiles
+    {256, 32, 64, 16, 16, 3},
+    {256, 64, 64, 12, 16, 3},
 };
 inline constexpr int kNumGemmConfigs = sizeof(kGemmConfigs) / sizeof(kGemmConfigs[0]);
 

@@ -78,30 +78,39 @@ TEST(Planner, TmaWidthsCoverEveryTileAndFitTheCopy) {
   for (const TileConfig& c : kGemmConfigs) {
     if (c.mma != 3) continue;
     SCOPED_TRACE(c.name());
-    const TmaWidths t = tma_widths(c.bt, c.wm(), c.ctas);
-    ASSERT_TRUE(tma_widths_well_formed(c.bt, c.wm(), c.ctas));
-    ASSERT_GE(t.n, c.ctas == 2 ? 2 : 4);
+    const TmaWidths t = tma_widths(c);
+    ASSERT_TRUE(tma_widths_well_formed(c));
+    ASSERT_GE(t.n, c.ctas == 2 || c.warps == 16 ? 2 : 4);
     for (int rows = 1; rows <= c.bt; ++rows) {
-      const int w = tma_width_for(c.bt, c.wm(), c.ctas, rows);
+      const int w = tma_width_for(c, rows);
       const int box = (w + c.bt / 4 - 1) / (c.bt / 4) * (c.bt / 4);
       EXPECT_GE(w, rows);
       EXPECT_EQ(w % 8, 0);
       EXPECT_LE(box, c.bt);
-      // at one CTA per SM never wider than its copy box (the width before the lists)
-      if (c.ctas == 0) {
+      // two warpgroups at one CTA per SM: never wider than the copy box (the width before the lists)
+      if (c.ctas == 0 && c.warps == 8) {
         EXPECT_LE(w, (rows + c.bt / 4 - 1) / (c.bt / 4) * (c.bt / 4)) << "rows " << rows;
       }
     }
   }
-  EXPECT_EQ(tma_width_for(64, 1, 0, 33), 40);
-  EXPECT_EQ(tma_width_for(64, 2, 0, 33), 48);
-  EXPECT_EQ(tma_width_for(256, 1, 0, 129), 144);
-  EXPECT_EQ(tma_width_for(256, 1, 0, 161), 192);
-  EXPECT_EQ(tma_width_for(128, 1, 0, 65), 72);
-  EXPECT_EQ(tma_width_for(32, 2, 0, 1), 8);
-  EXPECT_EQ(tma_width_for(64, 1, 2, 1), 40);
-  EXPECT_EQ(tma_width_for(32, 1, 2, 17), 24);
-  EXPECT_FALSE(tma_widths_well_formed(48, 1, 0));  // no list for that tile
+  const auto width = [](int bn, int bt, int bk, int stages, int warps, int ctas, int rows) {
+    return tma_width_for(TileConfig{bn, bt, bk, stages, warps, 3, ctas}, rows);
+  };
+  EXPECT_EQ(width(128, 64, 128, 8, 8, 0, 33), 40);
+  EXPECT_EQ(width(256, 64, 64, 12, 8, 0, 33), 48);
+  EXPECT_EQ(width(128, 256, 64, 5, 8, 0, 129), 144);
+  EXPECT_EQ(width(128, 256, 64, 5, 8, 0, 161), 192);
+  EXPECT_EQ(width(128, 128, 64, 10, 8, 0, 65), 72);
+  EXPECT_EQ(width(256, 32, 128, 8, 8, 0, 1), 8);
+  EXPECT_EQ(width(128, 64, 64, 8, 8, 2, 1), 40);
+  EXPECT_EQ(width(128, 32, 64, 12, 8, 2, 17), 24);
+  EXPECT_EQ(width(256, 64, 64, 12, 16, 0, 1), 32);
+  EXPECT_EQ(width(256, 64, 64, 12, 16, 0, 33), 40);
+  EXPECT_EQ(width(256, 64, 64, 12, 16, 0, 41), 64);
+  EXPECT_EQ(width(256, 32, 64, 16, 16, 0, 9), 16);
+  EXPECT_FALSE(tma_widths_well_formed(TileConfig{128, 48, 64, 8, 8, 3}));  // no list for that tile
+  EXPECT_FALSE(tile_config_well_formed(TileConfig{256, 128, 64, 8, 16, 3}));  // four warpgroups: bt <= 64
+  EXPECT_FALSE(tile_config_well_formed(TileConfig{256, 64, 128, 8, 16, 3}));  // four warpgroups: bk 64
 }
 
 TEST(Planner, StreamConfigHandCountedAndKLimit) {

@@ -296,7 +296,7 @@ TEST(GroupedGemmGpu, TmaConfigsEveryTileWidth) {
     SCOPED_TRACE(cfg.name());
     const int q = cfg.bt / 4;
     std::vector<int> rows = {0, q, 2 * q, 0, 3 * q, cfg.bt, cfg.bt + 1, 2 * cfg.bt + 5};
-    const TmaWidths tw = tma_widths(cfg.bt, cfg.wm(), cfg.ctas);
+    const TmaWidths tw = tma_widths(cfg);
     for (int i = 0; i < tw.n; ++i) {  // each width's narrowest and widest tile
       rows.push_back(i == 0 ? 1 : tw.w[i - 1] + 1);
       rows.push_back(tw.w[i]);

@@ -38,21 +38,21 @@
 
 namespace fp4moe::kernels {
 
-// A work tile of `rows` rows runs the wgmma width tma_width_for(bt, wm, ctas, rows) (tile_config.hpp: the
+// A work tile of `rows` rows runs the wgmma width tma_width_for(cfg, rows) (tile_config.hpp: the
 // narrowest of a short list per config), and copies that width rounded up to bt/4 rows: copy index w of
 // the four boxes bt/4, bt/2, 3bt/4, bt (one tensor map each). Both roles go through tma_with_width: the
 // producer sizes the copy and its transaction bytes by the width, the consumers run the K loop
 // instantiated for it (one instantiation per listed width; ptxas serializes the wgmmas past a few of
 // them: tile_config.hpp). f(integral_constant<int, N>) runs with N = the tile's width; the list is
 // unrolled (a loop over it kept the list in local memory).
-template <int BT, int WM, int CTAS, class F, int... I>
+template <TileConfig CFG, class F, int... I>
 __device__ __forceinline__ void tma_with_width_impl(int rows, F& f, std::integer_sequence<int, I...>) {
-  constexpr TmaWidths kW = tma_widths(BT, WM, CTAS);
+  constexpr TmaWidths kW = tma_widths(CFG);
   (void)((rows <= kW.w[I] ? (f(std::integral_constant<int, kW.w[I]>{}), true) : false) || ...);
 }
-template <int BT, int WM, int CTAS, class F>
+template <TileConfig CFG, class F>
 __device__ __forceinline__ void tma_with_width(int rows, F&& f) {
-  tma_with_width_impl<BT, WM, CTAS>(rows, f, std::make_integer_sequence<int, tma_widths(BT, WM, CTAS).n>{});
+  tma_with_width_impl<CFG>(rows, f, std::make_integer_sequence<int, tma_widths(CFG).n>{});
 }
 
 template <int BN, int BT, int BK, int STAGES, int WARPS, int CTAS, int EPI>
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
           decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
       // the consumers' width, and the activation map whose box has that many rows
       int wsel = 3;
-      tma_with_width<BT, C::WM, CTAS>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
+      tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
       const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
       const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
       const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
 #pragma unroll 1
   for (int ti = 0; ti < my_tiles; ++ti) {
     const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
-    tma_with_width<BT, C::WM, CTAS>(t.rows, [&](auto width) {  // uniform over the CTA
+    tma_with_width<kCfg>(t.rows, [&](auto width) {  // uniform over the CTA
       C::template mainloop<decltype(width)::value>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase);
     });
     const int valid_nt = (t.rows + 7) >> 3;
