@@ -84,6 +84,10 @@ struct TmaConsumer {
     for (int kt = 0; kt < KT; ++kt) {
       mbar_wait(bar_full + 8 * stage, phase);
       const uint32_t st = smem_base + static_cast<uint32_t>(stage) * static_cast<uint32_t>(kL.stage_bytes);
+      // The stage's descriptor, once: a step's slab offset adds to its 14-bit address field (addr >> 4)
+      // without a carry, as shared addresses stay below 2^18; built per step, ptxas spent five uniform
+      // instructions on each (mask, shift, or, two moves) in a loop that issues ~100-200 per stage.
+      const uint64_t desc0 = wgmma_desc_k_major_sw128(st);
       const uint8_t* st_codes = smem + stage * kL.stage_bytes + kL.codes_offset;
       const uint8_t* st_scales = smem + stage * kL.stage_bytes + kL.scales_offset;
       // plain loads: mbar_wait's memory clobber keeps them after the wait, and the completed
@@ -117,7 +121,7 @@ struct TmaConsumer {
                            a[q % NB][i]);
         }
         wgmma_fence();
-        const uint64_t desc = wgmma_desc_k_major_sw128(st + c * BT * 128 + j * 32);
+        const uint64_t desc = desc0 + static_cast<uint64_t>((c * BT * 128 + j * 32) >> 4);
 #pragma unroll
         for (int i = 0; i < WM; ++i) wgmma_rs<N>(acc[i], a[q % NB][i], desc, (kt == 0 && q == 0) ? 0 : 1);
         wgmma_commit();
