@@ -170,7 +170,8 @@ constexpr bool tma_widths_well_formed(const TileConfig& c) {
 // (threads x the launch-bounds count, 65536 / (threads x CTAs per SM) rounded down to 8); the producer
 // warpgroup keeps 24 (its one thread issues the copies; no spills at 24) and the consumers split the
 // rest, rounded down to 8: one CTA per SM, 384 x 168 = 128 x 24 + 256 x 240; two, 384 x 80 >= 128 x 24 +
-// 256 x 104. (At 40 / 232 ptxas serialized the wgmmas of a fifth width in the 256-token config, C7512.)
+// 256 x 104; four consumer warpgroups, 640 x 96 >= 128 x 24 + 512 x 112. (At 40 / 232 ptxas serialized
+// the wgmmas of a fifth width in the 256-token config, C7512.)
 constexpr int tma_producer_regs(int /*warps*/) { return 24; }
 constexpr int tma_consumer_regs(int warps, int ctas) {  // ctas: TileConfig::ctas (0: one)
   const int threads = (warps + 4) * 32;

@@ -11,7 +11,7 @@
 //   Each stage completes on its "full" mbarrier by transaction bytes; the consumers release it on its
 //   "empty" mbarrier. The producer runs ahead across tiles, so the next tile's weights stream during
 //   the current tile's epilogue. setmaxnreg hands the producer's registers to the consumers.
-// - Two consumer warpgroups split the tile's bn features (wm() m64 tiles each). Per stage a warp reads
+// - Two (or four) consumer warpgroups split the tile's bn features (wm() m64 tiles each). Per stage a warp reads
 //   its codes and scales from shared memory once, dequantizes each k16 step into its own A registers and
 //   issues its wgmmas; a step's A registers are rewritten only after the wgmma that read them retired
 //   (wgmma.wait_group<NB - 1>, TmaConsumer::NB), so up to a stage of wgmmas is in flight under the
