@@ -237,12 +237,16 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
             float gate = acc[nt][h] * gs + bg;
             float up = acc[nt][2 + h] * gs_up + bu;
             float v;
+            // The hardware exp2 and reciprocal (2 ulp in fp32), then a bf16 rounding (2^-8): IEEE expf
+            // and division took ~25 instructions and a slow-path branch per output, a quarter of a
+            // 256-token tile's instructions at K = 6144 (bench/NOTES.md). A large negative gate gives
+            // exp = inf and a quotient of 0, silu's limit.
             if constexpr (EPI == kEpiSwiGLU) {
-              v = gate / (1.0f + expf(-gate)) * up;
+              v = __fdividef(gate, 1.0f + __expf(-gate)) * up;
             } else {
               gate = fminf(gate, p.limit);
               up = fminf(fmaxf(up, -p.limit), p.limit);
-              v = (up + 1.0f) * gate / (1.0f + expf(-p.alpha * gate));
+              v = (up + 1.0f) * __fdividef(gate, 1.0f + __expf(-p.alpha * gate));
             }
             out[static_cast<int64_t>(row) * half + jn] = __float2bfloat16_rn(v);
           }
