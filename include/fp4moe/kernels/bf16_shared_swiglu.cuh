@@ -1,10 +1,12 @@
 // The activation between the two cuBLAS GEMMs of a bf16 shared expert (MoeLayer): fp32 gate/up in,
-// bf16 out, with the grouped GEMM epilogue's arithmetic (sm80_nvfp4_grouped_gemm.cuh) so the CPU
-// reference's rounding points hold for this expert too. Device code only; launched by moe_layer.cu.
+// bf16 out, with the grouped GEMM epilogue's activation (activation.cuh) so the CPU reference's
+// rounding points hold for this expert too. Device code only; launched by moe_layer.cu.
 #pragma once
 #include <cstdint>
 
 #include <cuda_bf16.h>
+
+#include "fp4moe/kernels/activation.cuh"
 
 namespace fp4moe::kernels {
 
@@ -17,17 +19,9 @@ __global__ void bf16_shared_swiglu_kernel(const float* __restrict__ gate_up, int
   const int64_t n = tokens * width;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / width, j = i - t * width;
-    float gate = gate_up[t * 2 * width + j];
-    float up = gate_up[t * 2 * width + width + j];
-    float v;
-    if (!gpt_oss) {
-      v = gate / (1.0f + expf(-gate)) * up;
-    } else {
-      gate = fminf(gate, limit);
-      up = fminf(fmaxf(up, -limit), limit);
-      v = (up + 1.0f) * gate / (1.0f + expf(-alpha * gate));
-    }
-    out[i] = __float2bfloat16_rn(v);
+    const float gate = gate_up[t * 2 * width + j];
+    const float up = gate_up[t * 2 * width + width + j];
+    out[i] = __float2bfloat16_rn(gpt_oss ? gptoss_swiglu_act(gate, up, alpha, limit) : swiglu_act(gate, up));
   }
 }
 

@@ -23,6 +23,7 @@
 #include <cuda.h>  // CUtensorMap
 #include <cuda_bf16.h>
 
+#include "fp4moe/kernels/activation.cuh"
 #include "fp4moe/kernels/pdl.cuh"
 #include "fp4moe/kernels/nvfp4_dequant.cuh"
 #include "fp4moe/kernels/sm90_wgmma.cuh"
@@ -234,20 +235,9 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
           const int r = nt * 8 + 2 * t4 + h;
           if (r < rows) {
             const int row = row0 + r;
-            float gate = acc[nt][h] * gs + bg;
-            float up = acc[nt][2 + h] * gs_up + bu;
-            float v;
-            // The hardware exp2 and reciprocal (2 ulp in fp32), then a bf16 rounding (2^-8): IEEE expf
-            // and division took ~25 instructions and a slow-path branch per output, a quarter of a
-            // 256-token tile's instructions at K = 6144 (bench/NOTES.md). A large negative gate gives
-            // exp = inf and a quotient of 0, silu's limit.
-            if constexpr (EPI == kEpiSwiGLU) {
-              v = __fdividef(gate, 1.0f + __expf(-gate)) * up;
-            } else {
-              gate = fminf(gate, p.limit);
-              up = fminf(fmaxf(up, -p.limit), p.limit);
-              v = (up + 1.0f) * __fdividef(gate, 1.0f + __expf(-p.alpha * gate));
-            }
+            const float gate = acc[nt][h] * gs + bg;
+            const float up = acc[nt][2 + h] * gs_up + bu;
+            const float v = EPI == kEpiSwiGLU ? swiglu_act(gate, up) : gptoss_swiglu_act(gate, up, p.alpha, p.limit);
             out[static_cast<int64_t>(row) * half + jn] = __float2bfloat16_rn(v);
           }
         }
