@@ -23,8 +23,10 @@ How it reads the SASS: each sm_70+ instruction is 128 bits; bits 105..125 hold i
 stall cycles, the scoreboard its result completes on (write barrier, 3 bits, 7 = none), and the mask of
 scoreboards it waits for (6 bits). A scoreboard wait is for *every* outstanding instruction on it. The
 report lists, for the scoreboard(s) of the 64- and 128-bit global loads (the stream kernel's ring), every
-instruction in the hot region (around the MMAs) that waits on them. One wait per turn of the ring is the
-good shape; one per slot means each chunk waits for the load issued just before it (a one-deep ring).
+instruction in the hot region (around the MMAs) that waits on them. The stream kernel's ring runs in two
+halves: one wait per half (two per turn: at the loop's head, and at the second half's first scale word,
+which orders that half's requests after the wait) is the good shape; one per slot means each chunk waits
+for the load issued just before it (a one-deep ring).
 """
 import os
 import re
@@ -122,7 +124,7 @@ def main(argv):
     mma = [i["addr"] for i in ins if opcode(i["text"]).startswith(("HMMA", "HGMMA"))]
     if not mma:
         sys.exit(f"sass_waits: {name} has no MMA instruction")
-    lo, hi = min(mma) - 0x600, max(mma) + 0x300
+    lo, hi = min(mma) - 0xa00, max(mma) + 0x300
     ring = sorted({i["wb"] for i in ins if opcode(i["text"]).startswith("LDG") and i["wb"] != 7 and
                    (".128" in opcode(i["text"]) or ".64" in opcode(i["text"]))})
     print(f"{name}: {len(ins)} instructions, {len(mma)} MMAs in {lo:#x}..{hi:#x}")

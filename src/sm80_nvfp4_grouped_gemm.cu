@@ -264,7 +264,7 @@ TileConfig heuristic_tile_config(int64_t n, int64_t k, double rows_per_expert, c
   const bool c2_fits = 2 * (stream_smem_layout(c2, k).total_bytes + arch.reserved_smem_per_block) <= arch.smem_per_sm;
   TileConfig want;
   if (r <= 1.5 && c2_fits) want = c2;
-  else if (r <= 8) want = TileConfig{384, 8, 64, 5, 24, 2, 1};
+  else if (r <= 8) want = TileConfig{320, 8, 64, 8, 20, 2, 1};
   else if (r <= 16 && !(arch.has(kWgmma) && k128)) want = TileConfig{256, 16, 64, 8, 16, 2, 1};
   // Hopper, 8 rows per expert and more: the TMA-fed wgmma kernel, whose per-tile width follows the rows
   // (GLM-5 GEMMs, bench/NOTES.md: T = 256 0.77 of the read ceiling vs 0.68, T = 512 0.71 vs 0.48,

@@ -204,9 +204,11 @@ constexpr int gemm_min_ctas_per_sm(const TileConfig& c) {
 // Static validity (what types decide). Runtime validity against a GPU (smem, registers) is the
 // planner's job (planner.hpp).
 constexpr bool tile_config_well_formed(const TileConfig& c) {
-  if (c.mma == 2)  // stream: one m16 tile per warp, 64-wide K chunks, a register ring of 2..8 chunks
+  if (c.mma == 2)  // stream: one m16 tile per warp, 64-wide K chunks, a register ring of 2..8 chunks in
+                   // two halves
     return c.warps >= 4 && c.warps <= 32 && c.bn == 16 * c.warps && (c.bt == 8 || c.bt == 16) && c.bk == 64 &&
-           c.stages >= 2 && c.stages <= 8 && c.ctas >= 1 && c.ctas <= 2 && c.warps * c.ctas <= 64;
+           c.stages >= 2 && c.stages <= 8 && c.stages % 2 == 0 && c.ctas >= 1 && c.ctas <= 2 &&
+           c.warps * c.ctas <= 64;
   const bool common = c.warps > 0 && c.bn > 0 && c.bn % (16 * c.warps) == 0 && c.wm() >= 1 && c.wm() <= 2 &&
                       c.bt % 16 == 0 && c.bt >= 16 && c.bk % 64 == 0 && c.bk >= 64 && c.stages >= 2 &&
                       c.ctas >= 0 && c.ctas <= 4;
@@ -252,11 +254,13 @@ inline constexpr TileConfig kGemmConfigs[] = {
     {128, 256, 64, 4, 8, 1},
     {128, 64, 128, 4, 8, 1},
     {128, 256, 128, 3, 8, 1},
-    // decode, stream kernel (bench/NOTES.md, v8-v10): bytes in flight per SM decide it. 24 warps (80
-    // registers) with a 5-deep ring keep ~69 KB of weights in flight per SM: 0.77-0.84 of the read
-    // ceiling at T = 8..128 (GLM-5 GEMMs); 32 warps at 64 registers spilled the ring and lost. bt 8 covers
-    // up to 8 rows per expert (T <= ~128 at top-8 of 256), bt 16 up to 16.
-    {384, 8, 64, 5, 24, 2, 1},
+    // decode, stream kernel (bench/NOTES.md, v8-v12): bytes in flight per SM decide it. The ring runs in
+    // two halves (one in flight while the math consumes the other), so a half must be several chunks
+    // deep: 20 warps (96 registers) with an 8-deep ring (two halves of 4) reach 0.80-0.85 of the read
+    // ceiling at T = 8..128 (GLM-5 GEMMs); 24 warps have registers (80) only for 4 (two halves of 2;
+    // 6 spills); 32 warps at 64 registers spilled. bt 8 covers up to 8 rows per expert (T <= ~128 at
+    // top-8 of 256), bt 16 up to 16.
+    {320, 8, 64, 8, 20, 2, 1},
     {384, 8, 64, 4, 24, 2, 1},
     {192, 8, 64, 4, 12, 2, 2},   // two CTAs per SM: one CTA's round barrier overlaps the other's stream (T = 1)
     {256, 8, 64, 8, 16, 2, 1},   // 16 warps (110 registers), 8-deep ring: as many bytes, fewer warps

@@ -9,10 +9,11 @@
 // four 16-byte loads in flight per thread (docs/kernel-design.md). This kernel is that stream with the
 // GEMM around it:
 // - Weights: each warp loads its own repacked chunks (per lane 16 B of e2m1 codes = one mma A fragment
-//   for four k16 steps, and 8 B of block scales) from global memory into a ring of DEPTH register sets,
-//   DEPTH chunks ahead of the math. A warp's chunks of one m16 tile are contiguous in the repacked layout
-//   (nvfp4_weight_layout.hpp), so the stream is a chunk index q: codes at base + 512 q, scales at
-//   base + 64 q (one IMAD.WIDE each).
+//   for four k16 steps, and 8 B of block scales) from global memory into a ring of DEPTH register sets
+//   in two halves: while the math consumes one half, the other half's DEPTH / 2 loads are in flight,
+//   all issued at the start of the half (below: why halves). A warp's chunks of one m16 tile are
+//   contiguous in the repacked layout (nvfp4_weight_layout.hpp), so the stream is a chunk index q: codes
+//   at base + 512 q, scales at base + 64 q (one IMAD.WIDE each).
 // - Activations: the rows of the current (expert, token tile), at most BT = 8 or 16, for the whole K, in
 //   shared memory (loaded once per round with cp.async), read as mma B fragments with ldmatrix. No
 //   barrier in the K loop.
@@ -395,8 +396,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   }
   constexpr TileConfig kCfg{16 * WARPS, BT, 64, DEPTH, WARPS, 2, CTAS};
   static_assert(tile_config_well_formed(kCfg), "stream config is malformed: see tile_config_well_formed()");
-  static_assert(DEPTH <= 8, "the slot dispatch below has eight cases");
+  static_assert(DEPTH % 2 == 0, "the weight ring runs in two halves");
   constexpr int NT = BT / 8;
+  constexpr int HALF = DEPTH / 2;
 
   extern __shared__ __align__(128) uint8_t smem[];
   const StreamGeometry<BT, WARPS> G(p, smem);
@@ -424,14 +426,23 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     __syncwarp();
   }
 
-  // ---- the weight ring: DEPTH chunks in flight ahead of the math ----
+  // ---- the weight ring: two halves of DEPTH / 2 chunks ----
+  // Why halves: ptxas completes every ring load on one scoreboard and waits for all of them at once, at
+  // the loop's head (scripts/sass_waits.py). With one ring refilled slot by slot, that wait at the top of
+  // each turn also covered the load issued one chunk before it, so every turn drained the ring (22-30% of
+  // the warps' stall samples, bench/NOTES.md). Here a half's loads are all issued at the start of the
+  // other half, right after that half's wait, and are not waited for until a whole half of math later;
+  // the wait at each half's start then finds loads DEPTH / 2 chunks old. `dep` (always 0: K is a multiple
+  // of 64) makes the addresses depend on the half's first scale word, so ptxas cannot hoist the loads
+  // above the wait, which would make the wait cover them too.
   StreamCursor cur = stream_cursor_next<BT, WARPS>(p, smem);
   uint4 ring_c[DEPTH];
   uint2 ring_s[DEPTH];
+  uint32_t dep = 0;
   auto issue = [&](uint4& rc, uint2& rs) {
     if (cur.left > 0) {
-      rc = ldg_stream_v4(cur.lc + static_cast<uint32_t>(cur.q) * 512u);
-      rs = ldg_stream_v2(cur.ls + static_cast<uint32_t>(cur.q) * 64u);
+      rc = ldg_stream_v4(cur.lc + (static_cast<uint32_t>(cur.q) * 512u + dep));
+      rs = ldg_stream_v2(cur.ls + (static_cast<uint32_t>(cur.q) * 64u + dep));
       ++cur.q;
       --cur.left;
     }
@@ -440,6 +451,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   for (int d = 0; d < DEPTH; ++d) {
     ring_c[d] = make_uint4(0, 0, 0, 0);
     ring_s[d] = make_uint2(0, 0);
+  }
+#pragma unroll
+  for (int d = 0; d < HALF; ++d) {  // the first half; the loop's first step requests the second
     if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
     issue(ring_c[d], ring_s[d]);
   }
@@ -463,13 +477,12 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   const uint32_t row_bytes = static_cast<uint32_t>(p.k) * 2;
   const uint32_t act_delta = ((((lane >> 3) + 4) ^ (lane & 7)) << 4) - ((((lane >> 3)) ^ (lane & 7)) << 4);
   // The first piece is opened here, before the loop, not by the loop's first event: with the loop's
-  // first turn entered with no piece, ptxas placed a wait for every outstanding ring load at the start of
-  // each slot (the ring one chunk deep; 0.59 of the read ceiling at T = 8 instead of 0.75, bench/NOTES.md).
-  // Opened here, it waits once per turn of the ring. The barriers in stream_advance are the non-aligned
-  // form, so the two call sites are allowed.
+  // first turn entered with no piece, ptxas once placed a wait for every outstanding ring load at the
+  // start of each slot (the ring one chunk deep; 0.59 of the read ceiling at T = 8 instead of 0.75,
+  // bench/NOTES.md). The barriers in stream_advance are the non-aligned form, so two call sites are allowed.
   StreamPiece pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(0, 0, 0, 0), make_float4(0, 0, 0, 0));
 
-  // One K chunk (four k16 steps) of the current m-tile from a ring slot, then refill the slot.
+  // One K chunk (four k16 steps) of the current m-tile from a ring slot.
   auto step = [&](uint4& words, uint2& sc) {
     uint32_t b[NT][4];
 #pragma unroll
@@ -493,45 +506,36 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     }
     pc.act_ptr += 128;
     --pc.cleft;
-    issue(words, sc);  // the cursor's round changes are events (cur.left == 0), handled outside the ring
   };
 
-  // The ring is consumed in load order: slot (chunk sequence number % DEPTH). Events (a piece or round
-  // ending, the load cursor reaching the end of its round) leave the unrolled loop and re-enter it at the
-  // slot where it stopped, so the cold code exists once.
-  int ph = 0;
+  // The ring is consumed in load order: slot (chunk sequence number % DEPTH), one turn per iteration.
+  // Events are handled in place by the noinline cold paths: a piece or round ending before the slot that
+  // would continue it, the load cursor reaching the end of its range inside a half's requests. A call
+  // waits for every outstanding load (SASS), i.e. drains the ring, but events come once per m-tile or
+  // round, not per chunk.
   bool alive = pc.cleft > 0;  // until stream_advance says the CTA has no more work
   while (alive) {
-    switch (ph) {
-#define FP4MOE_STREAM_SLOT(d)                                      \
-  case d:                                                          \
-    if constexpr (DEPTH > d) {                                     \
-      if (pc.cleft == 0 || cur.left == 0) {                        \
-        ph = d;                                                    \
-        break;                                                     \
-      }                                                            \
-      step(ring_c[d < DEPTH ? d : 0], ring_s[d < DEPTH ? d : 0]);  \
-    }                                                              \
-    [[fallthrough]];
-      FP4MOE_STREAM_SLOT(0)
-      FP4MOE_STREAM_SLOT(1)
-      FP4MOE_STREAM_SLOT(2)
-      FP4MOE_STREAM_SLOT(3)
-      FP4MOE_STREAM_SLOT(4)
-      FP4MOE_STREAM_SLOT(5)
-      FP4MOE_STREAM_SLOT(6)
-      FP4MOE_STREAM_SLOT(7)
-#undef FP4MOE_STREAM_SLOT
-      default:
-        ph = 0;
-        continue;  // all slots consumed: next turn of the ring (an event, if any, is seen at slot 0)
-    }
-    if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
-    if (pc.cleft == 0) {
-      pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]),
-                                          make_float4(acc[NT - 1][0], acc[NT - 1][1], acc[NT - 1][2], acc[NT - 1][3]));
-      zero_acc();
-      alive = pc.cleft > 0;  // 0 only when the CTA has no more work
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      if (pc.cleft == 0) {
+        pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(acc[0][0], acc[0][1], acc[0][2], acc[0][3]),
+                                            make_float4(acc[NT - 1][0], acc[NT - 1][1], acc[NT - 1][2], acc[NT - 1][3]));
+        zero_acc();
+        if (pc.cleft == 0) {  // the CTA has no more work
+          alive = false;
+          break;
+        }
+      }
+      if (d % HALF == 0) {  // a half begins: request the other half (consumed by the previous half)
+        const int other = d < HALF ? HALF : 0;
+        dep = ring_s[d].x & (static_cast<uint32_t>(p.k) & 63u);
+#pragma unroll
+        for (int j = 0; j < HALF; ++j) {
+          if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
+          issue(ring_c[other + j], ring_s[other + j]);
+        }
+      }
+      step(ring_c[d], ring_s[d]);
     }
   }
 }
