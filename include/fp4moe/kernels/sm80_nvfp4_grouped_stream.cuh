@@ -439,7 +439,8 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   uint4 ring_c[DEPTH];
   uint2 ring_s[DEPTH];
   uint32_t dep = 0;
-  auto issue = [&](uint4& rc, uint2& rs) {
+  auto issue = [&](uint4& rc, uint2& rs) {  // the next chunk into a slot; a new range is a cold call
+    if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
     if (cur.left > 0) {
       rc = ldg_stream_v4(cur.lc + (static_cast<uint32_t>(cur.q) * 512u + dep));
       rs = ldg_stream_v2(cur.ls + (static_cast<uint32_t>(cur.q) * 64u + dep));
@@ -453,10 +454,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     ring_s[d] = make_uint2(0, 0);
   }
 #pragma unroll
-  for (int d = 0; d < HALF; ++d) {  // the first half; the loop's first step requests the second
-    if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
-    issue(ring_c[d], ring_s[d]);
-  }
+  for (int d = 0; d < HALF; ++d) issue(ring_c[d], ring_s[d]);  // the first half; the loop requests the second
   if (p.weights_before_wait) {  // the activation rows (the predecessor's output) are read after this
     pdl_wait();
     pdl_launch_dependents();
@@ -513,6 +511,8 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // would continue it, the load cursor reaching the end of its range inside a half's requests. A call
   // waits for every outstanding load (SASS), i.e. drains the ring, but events come once per m-tile or
   // round, not per chunk.
+  // `alive` and a break, not a return from inside the loop: the return made ptxas put local-memory loads
+  // into stream_bt8_w20_d8_c1's loop (scripts/sass_waits.py --mix), the kind of change that once cost 4%.
   bool alive = pc.cleft > 0;  // until stream_advance says the CTA has no more work
   while (alive) {
 #pragma unroll
@@ -530,10 +530,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
         const int other = d < HALF ? HALF : 0;
         dep = ring_s[d].x & (static_cast<uint32_t>(p.k) & 63u);
 #pragma unroll
-        for (int j = 0; j < HALF; ++j) {
-          if (cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
-          issue(ring_c[other + j], ring_s[other + j]);
-        }
+        for (int j = 0; j < HALF; ++j) issue(ring_c[other + j], ring_s[other + j]);
       }
       step(ring_c[d], ring_s[d]);
     }
