@@ -170,6 +170,11 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
                    "pipeline config for this size",
                    cfg.name(), segments * (w.n / 16));
   }
+  FP4MOE_REQUIRE(args.max_ctas >= 0, "max_ctas = {} must be >= 0 (0: every resident CTA)", args.max_ctas);
+  FP4MOE_REQUIRE(args.max_ctas == 0 || cfg.mma != 2,
+                 "max_ctas = {} applies to tile-scheduled configs; {} is a stream config, which splits its work "
+                 "over every resident CTA",
+                 args.max_ctas, cfg.name());
   const int idx = config_index(cfg);
   const detail::GemmKernelFn fn = kernel_for(idx, args.epilogue);
   int device = 0;
@@ -183,7 +188,8 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   // Stream configs split all work evenly over the CTAs that are resident at once (a CTA that waited for a
   // slot would double the time), so they always launch exactly that many.
   const int64_t resident = int64_t{info.sms} * info.ctas_per_sm;
-  const int grid = static_cast<int>(cfg.mma == 2 ? resident : std::max<int64_t>(1, std::min<int64_t>(max_tiles, resident)));
+  const int64_t cap = args.max_ctas > 0 ? std::min<int64_t>(resident, args.max_ctas) : resident;
+  const int grid = static_cast<int>(cfg.mma == 2 ? resident : std::max<int64_t>(1, std::min<int64_t>(max_tiles, cap)));
 
   kernels::GroupedGemmParams p{};
   p.codes = w.codes;

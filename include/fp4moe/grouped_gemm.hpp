@@ -65,6 +65,10 @@ struct GroupedGemmArgs {
   // permutation). Ignored by the other configs and without programmatic_launch.
   const int32_t* route_ids = nullptr;
   int64_t route_entries = 0;
+  // At most this many CTAs (0: as many as are resident at once, one wave); tile-scheduled configs only
+  // (pipeline, wgmma, tma), whose CTAs then take more work tiles each in turn, e.g. to leave SMs to a
+  // concurrent kernel. The stream configs split their work over every resident CTA and refuse it.
+  int max_ctas = 0;
 };
 
 // Validates (shapes, alignment, config fits) and launches; never synchronizes, allocates nothing.

@@ -73,6 +73,7 @@ struct Problem {
   std::vector<int> rows;  // per expert
   GemmEpilogue epi;
   bool bias = false, row_scale = false, separate_up_scale = false;
+  int max_ctas = 0;  // GroupedGemmArgs::max_ctas: few CTAs, many work tiles each
 };
 
 struct HostExpert {
@@ -154,6 +155,7 @@ void run_problem(const Problem& pb, const TileConfig& cfg, uint64_t seed) {
   GroupedGemmArgs a;
   a.act = d_act.get(); a.expert_offsets = d_off.get(); a.max_rows = max_rows;
   a.row_scale = pb.row_scale ? d_rs.get() : nullptr; a.out = d_out.get(); a.epilogue = pb.epi;
+  a.max_ctas = pb.max_ctas;
   grouped_gemm_nvfp4(w, a, cfg, nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   const auto out = d_out.download();
@@ -313,6 +315,43 @@ TEST(GroupedGemmGpu, TmaConfigsEveryTileWidth) {
     run_problem({cfg.bn + 48, cfg.bk, rows, GemmEpilogue::kPlain, true, true}, cfg, 60 + ci);
     run_problem({cfg.bn + 48, 3 * cfg.bk, rows, GemmEpilogue::kSwiGLU}, cfg, 61 + ci);
     run_problem({2 * cfg.bn, 5 * cfg.bk, {cfg.bt + 3, 0, 2}, GemmEpilogue::kPlain, false, true}, cfg, 62 + ci);
+  }
+}
+
+// tma configs with few CTAs, so each runs many work tiles in turn: the stage ring's position and its
+// barriers' phases carry across tiles, which a launch of one tile per CTA never reaches. One CTA (every
+// tile on one SM), two and three; ragged experts with empty ones, K of 3 stages (not dividing the ring)
+// and of more stages than the ring holds.
+TEST(GroupedGemmGpu, TmaConfigsManyTilesPerCta) {
+  REQUIRE_GPU();
+  const ArchInfo arch = arch_from_device(0);
+  int ran = 0;
+  for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
+    const TileConfig cfg = kGemmConfigs[ci];
+    if (cfg.mma != 3 || !plan_sm80(cfg, arch).verdict.valid) continue;
+    SCOPED_TRACE(cfg.name());
+    const std::vector<int> rows = {cfg.bt + 9, 0, 3, 2 * cfg.bt, 0, cfg.bt / 2 + 1, 1};  // 7 token tiles
+    Problem a{3 * cfg.bn - 48, 3 * cfg.bk, rows, GemmEpilogue::kPlain, true, true};     // x 3 feature tiles
+    a.max_ctas = 1;
+    run_problem(a, cfg, 90 + ci);
+    Problem b{2 * cfg.bn, (cfg.stages + 3) * cfg.bk, rows, GemmEpilogue::kSwiGLU};
+    b.max_ctas = 2;
+    run_problem(b, cfg, 91 + ci);
+    Problem c{3 * cfg.bn - 48, 2 * cfg.bk, {1, 2 * cfg.bt + 5, 0, cfg.bt}, GemmEpilogue::kPlain, false, true};
+    c.max_ctas = 3;
+    run_problem(c, cfg, 92 + ci);
+    ++ran;
+  }
+  if (ran == 0) GTEST_SKIP() << "no tma config is valid on " << arch.name << " (they need sm_90a)";
+  // the stream configs refuse it
+  try {
+    Problem s{32, 128, {3}, GemmEpilogue::kPlain};
+    s.max_ctas = 2;
+    run_problem(s, TileConfig{384, 8, 64, 4, 24, 2, 1}, 3);
+    ADD_FAILURE() << "a stream config launched with max_ctas";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_ctas = 2 applies to tile-scheduled configs"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -183,7 +183,7 @@ __device__ __forceinline__ int find_expert(int64_t w, const int32_t* prefix, int
 // (row g + 8, same tokens). Rows are in the repack's order (nvfp4_weight_layout.hpp): kPairs for the plain
 // epilogue (rows g, g+8 = features 2g, 2g+1), kGateUp for SwiGLU (row g = gate j, row g+8 = up j).
 // Shared by every kernel of the family so they round identically.
-template <int NT, int EPI>
+template <int NT, int EPI, int RS_BATCH = 4>
 __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, bool xs, int mt, int row0, int rows,
                                             int valid_nt, const float (&acc)[NT][4]) {
   if (mt >= p.n / 16) return;
@@ -200,19 +200,35 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
       b0 = __ldg(bias + f);
       b1 = __ldg(bias + f + 1);
     }
+    // The row scales (the layer's routing weights) of G n-tiles are loaded together, unconditionally
+    // (a row past the tile's reads its last valid row's), before any is used: loaded inside each row's
+    // guarded store, ptxas waited for each one in turn, 2 x NT L2 round trips per tile end while the
+    // tensor pipe idled (13-16% of GLM-5's GEMMs at T = 1024..4096, bench/NOTES.md).
+    constexpr int G = NT < RS_BATCH ? NT : RS_BATCH;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (nt < valid_nt) {
+    for (int nt0 = 0; nt0 < NT; nt0 += G) {
+      float rsv[G][2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = nt * 8 + 2 * t4 + h;
-          if (r < rows) {
-            const int row = row0 + r;
-            const float rs = row_scale != nullptr ? __ldg(row_scale + row) : 1.0f;
-            const float v0 = (acc[nt][h] * gs + b0) * rs;
-            const float v1 = (acc[nt][2 + h] * gs + b1) * rs;
-            *reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * p.n + f) =
-                __floats2bfloat162_rn(v0, v1);
+      for (int j = 0; j < G; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          rsv[j][h] = row_scale != nullptr && rows > 0
+                          ? __ldg(row_scale + row0 + min((nt0 + j) * 8 + 2 * t4 + h, rows - 1))
+                          : 1.0f;
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int nt = nt0 + j;
+        if (nt < valid_nt) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = nt * 8 + 2 * t4 + h;
+            if (r < rows) {
+              const int row = row0 + r;
+              const float v0 = (acc[nt][h] * gs + b0) * rsv[j][h];
+              const float v1 = (acc[nt][2 + h] * gs + b1) * rsv[j][h];
+              *reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * p.n + f) =
+                  __floats2bfloat162_rn(v0, v1);
+            }
           }
         }
       }

@@ -255,7 +255,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     const int wg = cw >> 2, wq = cw & 3;
 #pragma unroll
     for (int i = 0; i < C::WM; ++i)
-      store_mtile<C::NT, EPI>(p, t.expert, t.extra, t.ftile * MT + (wg * C::WM + i) * 4 + wq, t.row0, t.rows,
+      store_mtile<C::NT, EPI, WARPS == 16 ? 2 : 4>(p, t.expert, t.extra, t.ftile * MT + (wg * C::WM + i) * 4 + wq, t.row0, t.rows,
                               valid_nt, acc[i]);
   }
 #else
