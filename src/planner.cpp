@@ -101,12 +101,16 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
   const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4;
   const size_t sched_pad = pad_to(sched, 128);
   p.sched_bytes = sched + sched_pad;
-  // tma configs: a "full" and an "empty" mbarrier of 8 bytes per stage, after the scheduler.
+  // tma configs: a "full" and an "empty" mbarrier of 8 bytes per stage, after the scheduler; then each
+  // consumer warp's copy of the tile's row scales, bt floats.
   const size_t bars = c.mma == 3 ? static_cast<size_t>(c.stages) * 2 * 8 : 0;
   const size_t bars_pad = pad_to(bars, 128);
   p.barrier_bytes = bars + bars_pad;
-  p.total_bytes = p.sched_offset + p.sched_bytes + p.barrier_bytes;
-  p.padding_bytes = (codes_pad + scales_pad + act_pad + stage_pad) * c.stages + sched_pad + bars_pad;
+  const size_t rs = c.mma == 3 ? static_cast<size_t>(c.warps) * c.bt * 4 : 0;
+  const size_t rs_pad = pad_to(rs, 128);
+  p.row_scale_bytes = rs + rs_pad;
+  p.total_bytes = p.sched_offset + p.sched_bytes + p.barrier_bytes + p.row_scale_bytes;
+  p.padding_bytes = (codes_pad + scales_pad + act_pad + stage_pad) * c.stages + sched_pad + bars_pad + rs_pad;
 
   auto line = [&](std::string what, std::string formula, size_t bytes) {
     p.lines.push_back({std::move(what), std::move(formula), bytes});
@@ -127,12 +131,16 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
   line("scheduler", fmt::format("(kMaxExperts + 2) * 4 = ({} + 2) * 4{}", kMaxExperts,
                                 sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
        p.sched_bytes);
-  if (c.mma == 3)
+  if (c.mma == 3) {
     line("mbarriers", fmt::format("stages * 2 * 8 = {} * 2 * 8 (full + empty per stage){}", c.stages,
                                   bars_pad ? fmt::format(" + {} pad", bars_pad) : ""),
          p.barrier_bytes);
-  line("total dynamic shared memory", c.mma == 3 ? "pipeline + scheduler + mbarriers" : "pipeline + scheduler",
-       p.total_bytes);
+    line("row scales", fmt::format("warps * bt * 4 = {} * {} * 4 (fp32, a copy per consumer warp){}", c.warps,
+                                   c.bt, rs_pad ? fmt::format(" + {} pad", rs_pad) : ""),
+         p.row_scale_bytes);
+  }
+  line("total dynamic shared memory",
+       c.mma == 3 ? "pipeline + scheduler + mbarriers + row scales" : "pipeline + scheduler", p.total_bytes);
   return p;
 }
 
@@ -224,10 +232,11 @@ Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_sm
   } else {
     const size_t fixed = p.smem.sched_bytes + static_smem;
     p.max_stages_that_fit = limit > fixed ? static_cast<int>((limit - fixed) / p.smem.stage_bytes) : 0;
-    // tma configs: each stage also has two 8-byte mbarriers (their region padded to 128 bytes)
+    // tma configs: each stage also has two 8-byte mbarriers (their region padded to 128 bytes), and the
+    // row-scale copies follow
     while (cfg.mma == 3 && p.max_stages_that_fit > 0 &&
            fixed + p.max_stages_that_fit * p.smem.stage_bytes +
-                   (p.max_stages_that_fit * 16 + 127) / 128 * 128 > limit)
+                   (p.max_stages_that_fit * 16 + 127) / 128 * 128 + p.smem.row_scale_bytes > limit)
       --p.max_stages_that_fit;
   }
 

@@ -49,6 +49,7 @@ struct Sm80SmemPlan {
   int64_t k = 0;             // stream configs: the K the activation rows were counted for
   size_t sched_offset = 0, sched_bytes = 0, total_bytes = 0;
   size_t barrier_bytes = 0;  // tma configs: full + empty mbarrier per stage
+  size_t row_scale_bytes = 0;  // tma configs: bt floats per consumer warp (the epilogue's routing weights)
   size_t padding_bytes = 0;  // 128-byte alignment padding included above
   std::vector<SmemLine> lines;
 };

@@ -72,6 +72,8 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 //   [stage 0 .. stages-1] each = activations | codes | scales, padded to 1024 bytes
 //   [scheduler] (kMaxExperts + 1) int32 tile prefix + 1 int32 total, 128-byte aligned
 //   [barriers]  tma configs only: a "full" and an "empty" mbarrier (8 B each) per stage, 128-byte aligned
+//   [row scales] tma configs only: bt floats per consumer warp (the tile's routing weights, copied by
+//               each warp for its own epilogue), 128-byte aligned
 // Activations come first in a stage and stages are 1024-byte multiples: the 128-byte-swizzled rows
 // (16-byte chunk c of row r at c ^ (r & 7)) are then exactly wgmma's K-major SWIZZLE_128B layout, whose
 // pattern repeats every 1024 bytes. The epilogue stores from registers, so the next tile's loads stay
@@ -87,6 +89,8 @@ struct GemmSmemLayout {
   size_t sched_bytes;
   size_t bar_offset;     // tma configs: full[stages], then empty[stages] mbarriers
   size_t bar_bytes;      // 0 for the other kinds
+  size_t rs_offset;      // tma configs: float[warps][bt] row scales
+  size_t rs_bytes;       // 0 for the other kinds
   size_t total_bytes;    // dynamic shared memory requested at launch
 };
 
@@ -102,7 +106,9 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
   l.sched_bytes = align_up((kMaxExperts + 2) * sizeof(int32_t), 128);
   l.bar_offset = l.sched_offset + l.sched_bytes;
   l.bar_bytes = c.mma == 3 ? align_up(static_cast<size_t>(2 * c.stages) * 8, 128) : 0;
-  l.total_bytes = l.bar_offset + l.bar_bytes;
+  l.rs_offset = l.bar_offset + l.bar_bytes;
+  l.rs_bytes = c.mma == 3 ? align_up(static_cast<size_t>(c.warps) * c.bt * 4, 128) : 0;
+  l.total_bytes = l.rs_offset + l.rs_bytes;
   return l;
 }
 

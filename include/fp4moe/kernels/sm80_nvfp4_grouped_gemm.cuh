@@ -95,6 +95,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
+// 4 bytes, through L1 (.ca: the only mode for copies under 16 bytes)
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
@@ -182,10 +186,13 @@ __device__ __forceinline__ int find_expert(int64_t w, const int32_t* prefix, int
 // tokens held in a lane's mma C fragments: acc[nt][0..1] = (row g, tokens 2t, 2t+1), acc[nt][2..3] =
 // (row g + 8, same tokens). Rows are in the repack's order (nvfp4_weight_layout.hpp): kPairs for the plain
 // epilogue (rows g, g+8 = features 2g, 2g+1), kGateUp for SwiGLU (row g = gate j, row g+8 = up j).
-// Shared by every kernel of the family so they round identically.
+// Shared by every kernel of the family so they round identically. The plain epilogue's row scales come
+// from global memory, RS_BATCH n-tiles at a time, or with RS_BATCH == 0 from rs_smem[r] for the tile's
+// row r (the tma kernel stages them in shared memory: 1.0 where the launch has none).
 template <int NT, int EPI, int RS_BATCH = 4>
 __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, bool xs, int mt, int row0, int rows,
-                                            int valid_nt, const float (&acc)[NT][4]) {
+                                            int valid_nt, const float (&acc)[NT][4],
+                                            const float* rs_smem = nullptr) {
   if (mt >= p.n / 16) return;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -203,18 +210,21 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
     // The row scales (the layer's routing weights) of G n-tiles are loaded together, unconditionally
     // (a row past the tile's reads its last valid row's), before any is used: loaded inside each row's
     // guarded store, ptxas waited for each one in turn, 2 x NT L2 round trips per tile end while the
-    // tensor pipe idled (13-16% of GLM-5's GEMMs at T = 1024..4096, bench/NOTES.md).
-    constexpr int G = NT < RS_BATCH ? NT : RS_BATCH;
+    // tensor pipe idled (13-16% of GLM-5's GEMMs at T = 1024..4096, bench/NOTES.md). From shared memory
+    // (RS_BATCH == 0) there is no round trip to batch.
+    constexpr int G = RS_BATCH == 0 ? NT : NT < RS_BATCH ? NT : RS_BATCH;
 #pragma unroll
     for (int nt0 = 0; nt0 < NT; nt0 += G) {
-      float rsv[G][2];
+      [[maybe_unused]] float rsv[RS_BATCH > 0 ? G : 1][2];
+      if constexpr (RS_BATCH > 0) {
 #pragma unroll
-      for (int j = 0; j < G; ++j)
+        for (int j = 0; j < G; ++j)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          rsv[j][h] = row_scale != nullptr && rows > 0
-                          ? __ldg(row_scale + row0 + min((nt0 + j) * 8 + 2 * t4 + h, rows - 1))
-                          : 1.0f;
+          for (int h = 0; h < 2; ++h)
+            rsv[j][h] = row_scale != nullptr && rows > 0
+                            ? __ldg(row_scale + row0 + min((nt0 + j) * 8 + 2 * t4 + h, rows - 1))
+                            : 1.0f;
+      }
 #pragma unroll
       for (int j = 0; j < G; ++j) {
         const int nt = nt0 + j;
@@ -224,8 +234,11 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
             const int r = nt * 8 + 2 * t4 + h;
             if (r < rows) {
               const int row = row0 + r;
-              const float v0 = (acc[nt][h] * gs + b0) * rsv[j][h];
-              const float v1 = (acc[nt][2 + h] * gs + b1) * rsv[j][h];
+              float rs;
+              if constexpr (RS_BATCH == 0) rs = rs_smem[r];
+              else rs = rsv[j][h];
+              const float v0 = (acc[nt][h] * gs + b0) * rs;
+              const float v1 = (acc[nt][2 + h] * gs + b1) * rs;
               *reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * p.n + f) =
                   __floats2bfloat162_rn(v0, v1);
             }

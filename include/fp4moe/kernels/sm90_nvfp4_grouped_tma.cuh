@@ -245,18 +245,44 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   float acc[C::WM][C::NT][4];
   int stage = 0;
   uint32_t phase = 0;
+  // The plain epilogue's row scales (GEMM2's routing weights): each consumer warp copies the tile's bt
+  // of them into its own shared-memory buffer with cp.asyncs issued before the tile's K loop (no
+  // register held through it) and waits for them after; its epilogue reads them from there. Loaded at
+  // the tile end, even batched, they were L2 round trips with the tensor pipe idle (bench/NOTES.md). One
+  // buffer per warp, not one per CTA: a shared buffer needed a barrier of all consumer warps at every
+  // tile end, which cost up to 7% where the dequantization bounds the K loop (GLM-5 T = 1024). The warp
+  // reads its buffer before it refills it, in program order.
+  constexpr bool kStageRs = EPI == kEpiPlain;
+  const uint32_t rs_off = static_cast<uint32_t>(kL.rs_offset) + static_cast<uint32_t>(cw * BT * 4);
 #pragma unroll 1
   for (int ti = 0; ti < my_tiles; ++ti) {
     const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
+    if constexpr (kStageRs) {
+      __syncwarp();  // the last tile's reads of the buffer, by every lane, precede its refill
+      const bool scaled = !t.extra && p.row_scale != nullptr;
+#pragma unroll
+      for (int r = lane; r < BT; r += 32) {
+        if (scaled && r < t.rows)
+          cp_async4(smem_base + rs_off + 4 * r, p.row_scale + t.row0 + r);
+        else
+          reinterpret_cast<float*>(smem + rs_off)[r] = 1.0f;  // rows past the tile are never read
+      }
+      cp_async_commit();
+    }
     tma_with_width<kCfg>(t.rows, [&](auto width) {  // uniform over the CTA
       C::template mainloop<decltype(width)::value>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase);
     });
+    const float* s_rs = reinterpret_cast<const float*>(smem + rs_off);
+    if constexpr (kStageRs) {
+      cp_async_wait<0>();
+      __syncwarp();  // every lane's copies are visible to the warp
+    }
     const int valid_nt = (t.rows + 7) >> 3;
     const int wg = cw >> 2, wq = cw & 3;
 #pragma unroll
     for (int i = 0; i < C::WM; ++i)
-      store_mtile<C::NT, EPI, WARPS == 16 ? 2 : 4>(p, t.expert, t.extra, t.ftile * MT + (wg * C::WM + i) * 4 + wq, t.row0, t.rows,
-                              valid_nt, acc[i]);
+      store_mtile<C::NT, EPI, kStageRs ? 0 : 4>(p, t.expert, t.extra, t.ftile * MT + (wg * C::WM + i) * 4 + wq,
+                                                t.row0, t.rows, valid_nt, acc[i], s_rs);
   }
 #else
   __trap();  // TMA + wgmma + setmaxnreg: sm_90a only; the launcher refuses these configs elsewhere
