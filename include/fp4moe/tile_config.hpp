@@ -77,7 +77,7 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 // Activations come first in a stage and stages are 1024-byte multiples: the 128-byte-swizzled rows
 // (16-byte chunk c of row r at c ^ (r & 7)) are then exactly wgmma's K-major SWIZZLE_128B layout, whose
 // pattern repeats every 1024 bytes. The epilogue stores from registers, so the next tile's loads stay
-// in flight during it (no bytes).
+// in flight during it (no bytes; the tma configs' row scales are its only shared memory).
 struct GemmSmemLayout {
   size_t act_bytes;      // per stage: bt x bk x 2 B (bf16), [bk/64 slabs][bt rows][128 B]
   size_t codes_bytes;    // per stage: (bn/16) m-tiles x (bk/64) chunks x 512 B

@@ -21,7 +21,9 @@
 //   wgmma, not a 64-wide one. The activation copy is that width rounded up to bt/4 rows (one tensor map
 //   per box height).
 // - Work tiles (expert, feature tile, token tile) and the epilogue are the pipeline kernel's
-//   (sm80_nvfp4_grouped_gemm.cuh): the same rounding, stores from registers.
+//   (sm80_nvfp4_grouped_gemm.cuh): the same rounding, stores from registers. The plain epilogue's row
+//   scales are copied into shared memory by each consumer warp before the tile's K loop, so the tile
+//   end waits on no global load for them.
 #pragma once
 #include <cstdint>
 #include <type_traits>
