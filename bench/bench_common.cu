@@ -68,6 +68,11 @@ void fill_random_bf16(void* p, size_t count, float std, uint64_t seed, cudaStrea
   FP4MOE_CUDA_CHECK_LAUNCH();
 }
 
+void flush_l2(cudaStream_t stream) {
+  auto& flush = flush_buffer();
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(flush.get(), 0x5a, flush.bytes(), stream));
+}
+
 double time_graph_us(const std::function<void(cudaStream_t)>& record, cudaStream_t stream, int reps, int warmup) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;

@@ -19,6 +19,9 @@ struct Ceilings {
 };
 Ceilings measure_ceilings(cudaStream_t stream);
 
+// Writes a buffer of four times the L2 size, so the next kernel finds nothing of its inputs in L2.
+void flush_l2(cudaStream_t stream);
+
 // Median time (microseconds) of `reps` replays of the work recorded by `record` (captured once in a
 // CUDA graph), each preceded by an L2 flush outside the timed region.
 double time_graph_us(const std::function<void(cudaStream_t)>& record, cudaStream_t stream, int reps = 20,

@@ -1,5 +1,6 @@
 #include "gemm_bench.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <numeric>
 
@@ -196,6 +197,25 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
       r.hcfg1 = heuristic_tile_config(2 * I, H, rpe_h, arch);
       r.hcfg2 = heuristic_tile_config(H, I, rpe_h, arch);
       r.heuristic_us = (r.hcfg1 == r.cfg1 && r.hcfg2 == r.cfg2) ? r.fp4_us : time_pair(r.hcfg1, r.hcfg2);
+    }
+
+    if (opt.trace && (r.cfg1.mma == 2 || r.cfg2.mma == 2)) {
+      // One eager pass with the timeline on, L2 flushed first as before each timed replay; only stream
+      // configs write it.
+      const size_t n1 = grouped_gemm_trace_values(r.cfg1, epi1, H);
+      const size_t n2 = grouped_gemm_trace_values(r.cfg2, GemmEpilogue::kPlain, I);
+      DeviceBuffer<unsigned long long> t1(std::max<size_t>(n1, 1)), t2(std::max<size_t>(n2, 1));
+      FP4MOE_CUDA_CHECK(cudaMemsetAsync(t1.get(), 0, t1.size() * 8, stream));
+      FP4MOE_CUDA_CHECK(cudaMemsetAsync(t2.get(), 0, t2.size() * 8, stream));
+      GroupedGemmArgs b1 = a1, b2 = a2;
+      if (n1) b1.trace = t1.get(), b1.trace_capacity = n1;
+      if (n2) b2.trace = t2.get(), b2.trace_capacity = n2;
+      flush_l2(stream);
+      grouped_gemm_nvfp4(w1.view, b1, r.cfg1, stream);
+      grouped_gemm_nvfp4(w2.view, b2, r.cfg2, stream);
+      FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (n1) r.trace += summarize_stream_trace(t1.download(), r.cfg1.warps, "T=" + std::to_string(T) + " GEMM1 " + r.cfg1.name());
+      if (n2) r.trace += summarize_stream_trace(t2.download(), r.cfg2.warps, "T=" + std::to_string(T) + " GEMM2 " + r.cfg2.name());
     }
 
     if (opt.baseline) {

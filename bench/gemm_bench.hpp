@@ -29,6 +29,7 @@ struct GemmBenchRow {
   std::string source1, source2;  // choose_config's source: "tuned table <path>" or "heuristic"
   double heuristic_us = 0;  // with heuristic_tile_config's picks (compare_heuristic), 0 otherwise
   TileConfig hcfg1, hcfg2;
+  std::string trace;        // with GemmBenchOptions::trace: the stream kernels' timeline summary
 };
 
 struct GemmBenchOptions {
@@ -38,7 +39,14 @@ struct GemmBenchOptions {
   uint64_t seed = 1;
   std::optional<TileConfig> force1, force2;  // otherwise heuristic / tuned
   bool compare_heuristic = false;             // also time heuristic_tile_config's picks
+  bool trace = false;                         // one more eager pass with the stream kernels' timeline
 };
+
+// Summary of a stream-config launch's timeline (GroupedGemmArgs::trace, kStreamTraceSlots values per
+// warp as kernels/sm80_nvfp4_grouped_stream.cuh writes them; warps that never wrote their entry are
+// skipped). Pure host code: the CPU tests check it on hand-made timelines.
+std::string summarize_stream_trace(const std::vector<unsigned long long>& v, int warps_per_cta,
+                                   const std::string& title);
 
 std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOptions& opt, cudaStream_t stream);
 

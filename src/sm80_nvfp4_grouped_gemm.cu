@@ -2,7 +2,6 @@
 // attributes (cached), persistent grid sizing. Never synchronizes; allocates nothing.
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 #include <cmath>
 #include <mutex>
 #include <tuple>
@@ -190,6 +189,13 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   const int64_t resident = int64_t{info.sms} * info.ctas_per_sm;
   const int64_t cap = args.max_ctas > 0 ? std::min<int64_t>(resident, args.max_ctas) : resident;
   const int grid = static_cast<int>(cfg.mma == 2 ? resident : std::max<int64_t>(1, std::min<int64_t>(max_tiles, cap)));
+  if (cfg.mma == 2) {
+    // stream_split (tile_config.hpp) multiplies the segment count by a CTA index in 32 bits.
+    const int64_t segments = args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0);
+    FP4MOE_REQUIRE(segments * grid < (int64_t{1} << 31),
+                   "tile config {}: (max_rows / bt + experts) = {} segments times {} CTAs must stay below 2^31; use a "
+                   "pipeline config for this size", cfg.name(), segments, grid);
+  }
 
   kernels::GroupedGemmParams p{};
   p.codes = w.codes;
@@ -214,6 +220,8 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   p.weights_before_wait = args.programmatic_launch && (args.offsets_ready_at_launch || ids) ? 1 : 0;
   p.route_ids = ids ? args.route_ids : nullptr;
   p.route_n = ids ? static_cast<int>(args.route_entries) : 0;
+  // What a round change costs a CTA, in chunks of its stream (stream_split).
+  p.round_cost = cfg.mma == 2 ? kStreamRoundCostChunks * cfg.warps : 0;
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;
@@ -224,6 +232,16 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
     p.x_offsets = xa->expert_offsets;
     p.x_out = static_cast<__nv_bfloat16*>(xa->out);
     p.x_max_rows = static_cast<int>(xa->max_rows);
+  }
+  if (args.trace != nullptr && cfg.mma == 2) {
+    FP4MOE_REQUIRE(kStreamTraceBuilt, "trace = {}: this build has no stream-kernel timeline (configure with "
+                   "-DFP4MOE_STREAM_TRACE=ON)", fmt::ptr(args.trace));
+    const size_t need = static_cast<size_t>(grid) * cfg.warps * kStreamTraceSlots;
+    FP4MOE_REQUIRE(args.trace_capacity >= need && aligned(args.trace, 8),
+                   "trace = {} (capacity {} values) must be 8-byte aligned and hold {} values: {} CTAs x {} warps x "
+                   "{} (grouped_gemm_trace_values)", fmt::ptr(args.trace), args.trace_capacity, need, grid, cfg.warps,
+                   kStreamTraceSlots);
+    p.trace = args.trace;
   }
   if (cfg.mma == 3) detail::encode_tma_maps(p.tma, cfg, w, args, xw, xa);
   detail::launch(fn, dim3(grid), dim3(cfg.threads()), info.smem, stream, args.programmatic_launch, p);
@@ -246,6 +264,15 @@ cudaFuncAttributes grouped_gemm_kernel_attributes(const TileConfig& cfg, GemmEpi
   cudaFuncAttributes attr{};
   FP4MOE_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(fn)));
   return attr;
+}
+
+size_t grouped_gemm_trace_values(const TileConfig& cfg, GemmEpilogue epilogue, int64_t k) {
+  if (cfg.mma != 2) return 0;
+  const detail::GemmKernelFn fn = kernel_for(config_index(cfg), epilogue);
+  int device = 0;
+  FP4MOE_CUDA_CHECK(cudaGetDevice(&device));
+  const LaunchInfo& info = launch_info(device, fn, cfg, k);
+  return static_cast<size_t>(info.sms) * info.ctas_per_sm * cfg.warps * kStreamTraceSlots;
 }
 
 int grouped_gemm_max_active_ctas(const TileConfig& cfg, GemmEpilogue epilogue, int64_t k) {

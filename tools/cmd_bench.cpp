@@ -29,6 +29,7 @@ struct BenchArgs {
   bool no_baseline = false;
   bool breakdown = false;
   bool compare_heuristic = false;
+  bool trace = false;
   int reps = 20;
   std::string json;
   std::string tile1, tile2;
@@ -64,6 +65,7 @@ void run_gemm_mode(const BenchArgs& a, const MoeConfig& cfg, const bench::Ceilin
   if (!a.tile1.empty()) o.force1 = parse_tile(a.tile1);
   if (!a.tile2.empty()) o.force2 = parse_tile(a.tile2);
   o.compare_heuristic = a.compare_heuristic;
+  o.trace = a.trace;
   const auto rows = bench::run_gemm_bench(cfg, o, s);
   std::printf("\n%s expert GEMMs (GEMM1 N=%lld K=%lld SwiGLU + GEMM2 N=%lld K=%lld), NVFP4 weights, bf16 activations\n",
               cfg.name.c_str(), (long long)cfg.gemm1_n(), (long long)cfg.gemm1_k(), (long long)cfg.gemm2_n(),
@@ -99,6 +101,10 @@ void run_gemm_mode(const BenchArgs& a, const MoeConfig& cfg, const bench::Ceilin
                            {"heuristic_config_gemm1", r.heuristic_us > 0 ? r.hcfg1.name() : ""},
                            {"heuristic_config_gemm2", r.heuristic_us > 0 ? r.hcfg2.name() : ""},
                            {"tuned_speedup_over_heuristic", r.heuristic_us > 0 ? r.heuristic_us / r.fp4_us : 0.0}});
+  }
+  if (a.trace) {
+    std::printf("\nstream-kernel timelines (one eager pass per token count, L2 flushed first; warps that ran)\n");
+    for (const auto& r : rows) std::printf("%s", r.trace.empty() ? "  (no stream config at this T)\n" : r.trace.c_str());
   }
   if (a.compare_heuristic) {
     std::printf("\ntuned vs heuristic configs (%s)\n%7s %12s %12s %8s  %s\n", cfg.name.c_str(), "tokens", "picked us",
@@ -155,6 +161,10 @@ void register_bench(CLI::App& app) {
   sub->add_option("--tile2", args->tile2, "gemm mode: force GEMM2's config");
   sub->add_flag("--compare-heuristic", args->compare_heuristic,
                 "gemm mode: also time the heuristic's configs and show the tuner's gain");
+  sub->add_flag("--trace", args->trace,
+                "gemm mode, in a build configured with -DFP4MOE_STREAM_TRACE=ON: one more eager pass with the "
+                "stream kernels' per-warp timeline (kernel events, round barriers, activation-row loads, CTA "
+                "finishing spread), summarized over the warps");
   sub->add_option("--ep", args->ep,
                   "expert parallel over N GPUs of this host (one thread per GPU, NCCL; N = 1: one GPU): layer time "
                   "per rank, bytes moved, communication share, scaling efficiency (default tokens per rank 1,8,128,1024)");
@@ -172,6 +182,9 @@ void register_bench(CLI::App& app) {
       ck->json = args->json;
       return bench_checkpoint(*ck);
     }
+    FP4MOE_REQUIRE(!args->trace || kStreamTraceBuilt,
+                   "--trace: this build has no stream-kernel timeline (configure with -DFP4MOE_STREAM_TRACE=ON)");
+    FP4MOE_REQUIRE(!args->trace || args->mode == "gemm", "--trace applies to --mode gemm, not --mode {}", args->mode);
     std::vector<MoeConfig> cfgs;  // the arguments first: a bad model name is reported without a GPU too
     for (const std::string& name : parse_preset_list(args->model))
       cfgs.push_back(tensor_parallel_slice(preset(name), args->tp));

@@ -69,7 +69,17 @@ struct GroupedGemmArgs {
   // (pipeline, wgmma, tma), whose CTAs then take more work tiles each in turn, e.g. to leave SMs to a
   // concurrent kernel. The stream configs split their work over every resident CTA and refuse it.
   int max_ctas = 0;
+  // Optional timeline of a stream-config launch (a measuring aid: `fp4moe bench --mode gemm --trace`, in
+  // a build configured with -DFP4MOE_STREAM_TRACE=ON): per warp of the grid, kStreamTraceSlots 64-bit
+  // values (event times from %globaltimer in ns, summed waits, counts; kernels/sm80_nvfp4_grouped_stream.cuh
+  // names them). trace_capacity is its length in values and must cover grouped_gemm_trace_values(cfg, k);
+  // ignored by the other configs. Null: no trace.
+  unsigned long long* trace = nullptr;
+  size_t trace_capacity = 0;
 };
+
+// Values a stream-config launch writes to GroupedGemmArgs::trace on this GPU (0 for other configs).
+size_t grouped_gemm_trace_values(const TileConfig& cfg, GemmEpilogue epilogue, int64_t k);
 
 // Validates (shapes, alignment, config fits) and launches; never synchronizes, allocates nothing.
 // Throws fp4moe::Error naming the argument, the value and the rule.

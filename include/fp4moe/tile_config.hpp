@@ -38,6 +38,47 @@ struct TileConfig {
 // in the K loop; the activation rows of the current (expert, token tile) live in shared memory for the
 // whole K. bn = 16 * warps (one m16 tile per warp at a time), bk = 64 (the chunk), bt = 8 or 16 tokens.
 inline constexpr size_t kStreamWarpStateBytes = 64;  // sizeof(kernels::StreamWarpState)
+// What a round change (a CTA entering its next segment) costs a stream-config CTA, in K chunks per warp:
+// 4-6 us measured on an H200 (`fp4moe bench --mode gemm --trace`), at 0.34-0.45 us per chunk and warp.
+// The kernel splits the units so that each CTA's chunks plus its round changes even out (stream_split).
+inline constexpr int kStreamRoundCostChunks = 12;
+inline constexpr int kStreamTraceSlots = 16;  // values per warp in GroupedGemmArgs::trace
+
+// Where CTA i of G starts in the unit list (stream_split(G) = all units). The split evens out the cost
+// of each CTA's range rather than its bytes: a unit is K / 64 chunks of the CTA's stream, and each
+// segment (expert, token tile) costs `round_cost` chunks more at its start (kStreamRoundCostChunks x warps:
+// a round change stops the whole CTA for its barriers, its activation rows and its split m-tiles' sums,
+// 4-6 us on an H200). With an even split of the units, the CTAs whose range crossed into a second segment
+// finished those 4-6 us after the others (bench/NOTES.md, "rounds in the split"). Every segment has MT
+// units, so the cost is linear inside a segment plus a gap at its start; a cut that falls into a gap
+// snaps to the segment's first unit, so no CTA pays for a round it does not run. The gap is capped at a
+// quarter of a CTA's share, so that few large segments (T = 1) cannot leave CTAs without work. A function
+// of the problem only (segments, shapes, grid): the results stay bit-identical run to run.
+constexpr int stream_split(int segs, int MT, int Kc, int round_cost, int i, int G) {
+  // 32-bit divisions only (the launcher keeps segs x G and MT x K / 64 x warps below 2^31): this runs in
+  // every CTA's prologue, which is on the critical path at T = 1 (its code there measured, bench/NOTES.md).
+  const int seg_chunks = MT * Kc;
+  int rc = round_cost;
+  const int64_t total = static_cast<int64_t>(segs) * seg_chunks;
+  if (static_cast<int64_t>(rc) * 4 * G > total)  // the cap; then total < rc x 4G, far below 2^31
+    rc = static_cast<int>(total) / (4 * G);
+  const int per_seg = seg_chunks + rc;
+  // t = segs * per_seg * i / G lands in segment j = t / per_seg = segs * i / G, at t - j * per_seg =
+  // per_seg * qr / G with qr = segs * i mod G; with per_seg = a * G + b that is a * qr + b * qr / G.
+  const int q = segs * i;
+  const int j = q / G, qr = q - j * G;
+  const int a = per_seg / G, b = per_seg - a * G;
+  const int r = a * qr + b * qr / G - rc;  // chunks past the segment's round-cost gap
+  return j * MT + (r <= 0 ? 0 : (r / Kc < MT ? r / Kc : MT));
+}
+
+// The stream kernel's timeline (GroupedGemmArgs::trace) is compiled in only with
+// -DFP4MOE_STREAM_TRACE=ON: a trace build runs the decode kernel 3-15% slower (bench/NOTES.md).
+#ifdef FP4MOE_STREAM_TRACE
+inline constexpr bool kStreamTraceBuilt = true;
+#else
+inline constexpr bool kStreamTraceBuilt = false;
+#endif
 // The stream kernel's schedule in shared memory: the segment prefix of every expert slot plus the total
 // (kMaxExperts + 2 int32), then the experts' rows (kMaxExperts + 3 int32: the routed experts' clamped
 // offsets 0..E and the extra set's first and end row), so a round's start reads its rows from shared

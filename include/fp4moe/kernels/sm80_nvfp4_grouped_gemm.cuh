@@ -86,6 +86,10 @@ struct GroupedGemmParams {
   // itself instead of reading offsets, which its predecessor is still writing. Null: read offsets.
   const int32_t* route_ids;
   int route_n;
+  // Stream kernel: what entering a segment costs a CTA, in K chunks of its stream (stream_split).
+  int round_cost;
+  // Stream kernel timeline (GroupedGemmArgs::trace): kStreamTraceSlots values per warp, or null.
+  unsigned long long* trace;
   GroupedGemmTmaMaps tma;
 };
 

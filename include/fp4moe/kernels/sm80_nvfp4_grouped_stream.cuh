@@ -97,6 +97,49 @@ struct StreamRound {
   int end, seg, m0, F;
 };
 
+// Timeline slots (GroupedGemmParams::trace, kStreamTraceSlots values per warp, written by lane 0): a
+// measuring aid for `fp4moe bench --mode gemm --trace`, compiled only with -DFP4MOE_STREAM_TRACE=ON and
+// off when trace is null. Times are %globaltimer (ns); the *Ns slots are sums over the launch, the others
+// counts.
+enum StreamTraceSlot : int {
+  kTraceEntry = 0,        // kernel entry
+  kTraceWaited = 1,       // griddepcontrol.wait returned
+  kTraceScheduled = 2,    // the schedule is built (after its CTA barrier)
+  kTraceRingIssued = 3,   // the ring's first half is requested
+  kTraceFirstPiece = 4,   // the first piece is open (its activation rows are in shared memory)
+  kTraceExit = 5,         // the math loop is done
+  kTraceRoundEndNs = 6,   // waiting at the round-end barriers
+  kTraceRowsInNs = 7,     // loading a round's activation rows (cp.async, its wait and the barrier)
+  kTraceAdvanceCalls = 8,
+  kTraceCursorCalls = 9,
+  kTraceChunks = 10,      // K chunks of this warp's pieces
+  kTraceAdvanceNs = 11,   // inside stream_advance
+  kTraceCursorNs = 12,    // inside stream_cursor_next
+  kTraceRounds = 13,
+  kTraceEpilogueNs = 14,  // storing m-tiles (store_mtile), split sums included
+};
+static_assert(kTraceEpilogueNs < kStreamTraceSlots, "the slots must fit kStreamTraceSlots");
+
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Folds to false (and every trace branch away) unless the build has FP4MOE_STREAM_TRACE.
+__device__ __forceinline__ bool trace_on(const GroupedGemmParams& p) { return kStreamTraceBuilt && p.trace != nullptr; }
+__device__ __forceinline__ unsigned long long* trace_slots(const GroupedGemmParams& p) {
+  return p.trace + (static_cast<size_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * kStreamTraceSlots;
+}
+__device__ __forceinline__ void trace_event(const GroupedGemmParams& p, int slot) {  // lane 0 stores
+  if (trace_on(p) && (threadIdx.x & 31) == 0) trace_slots(p)[slot] = global_timer_ns();
+}
+__device__ __forceinline__ void trace_add(const GroupedGemmParams& p, int slot, unsigned long long v) {
+  if (trace_on(p) && (threadIdx.x & 31) == 0) trace_slots(p)[slot] += v;
+}
+__device__ __forceinline__ unsigned long long trace_now(const GroupedGemmParams& p) {
+  return trace_on(p) ? global_timer_ns() : 0ull;
+}
+
 template <int BT, int WARPS>
 struct StreamGeometry {
   const GroupedGemmParams& p;
@@ -205,7 +248,7 @@ __device__ __forceinline__ void stream_build_schedule(const GroupedGemmParams& p
 
 // The load cursor enters its next round that has chunks for this warp (cold: once per round).
 template <int BT, int WARPS>
-__device__ __noinline__ StreamCursor stream_cursor_next(const GroupedGemmParams& p, uint8_t* smem) {
+__device__ __forceinline__ StreamCursor stream_cursor_next_body(const GroupedGemmParams& p, uint8_t* smem) {
   const StreamGeometry<BT, WARPS> G(p, smem);
   StreamWarpState& ws = G.ws();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -231,14 +274,24 @@ __device__ __noinline__ StreamCursor stream_cursor_next(const GroupedGemmParams&
   __syncwarp();
   return c;
 }
+template <int BT, int WARPS>
+__device__ __noinline__ StreamCursor stream_cursor_next(const GroupedGemmParams& p, uint8_t* smem) {
+  const unsigned long long t0 = trace_now(p);
+  const StreamCursor c = stream_cursor_next_body<BT, WARPS>(p, smem);
+  if (trace_on(p)) {
+    trace_add(p, kTraceCursorCalls, 1);
+    trace_add(p, kTraceCursorNs, global_timer_ns() - t0);
+  }
+  return c;
+}
 
 // The math's current piece ended (or none is open): store or park it, close the round if this warp's
 // part of it is done (barrier; split m-tiles summed), open the next round (its activation rows loaded)
 // and this warp's next piece. acc: the piece's accumulators (NT x 4 floats). Returns cleft = 0 when the
 // CTA has no more work. Every warp of the CTA passes every round's two barriers.
 template <int BT, int WARPS, int EPI>
-__device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, uint8_t* smem, float4 acc0,
-                                                   float4 acc1) {
+__device__ __forceinline__ StreamPiece stream_advance_body(const GroupedGemmParams& p, uint8_t* smem, float4 acc0,
+                                                           float4 acc1) {
   constexpr int NT = BT / 8;
   const StreamGeometry<BT, WARPS> G(p, smem);
   StreamWarpState& ws = G.ws();
@@ -266,8 +319,10 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
       G.slots()[(warp * NT + j) * 32 + lane] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
   };
   auto epilogue = [&]() {
+    const unsigned long long t = trace_now(p);
     store_mtile<NT, EPI>(p, ws.seg_e, ws.seg_x != 0, ws.m_cur, ws.seg_row0, ws.seg_rows, (ws.seg_rows + 7) >> 3,
                          acc);
+    if (trace_on(p)) trace_add(p, kTraceEpilogueNs, global_timer_ns() - t);
   };
   // This warp's ldmatrix row for chunk 0 of steps 0-1 (see the kernel).
   const uint32_t act_lane = smem_u32(smem) + (lane & 7) * row_bytes + (((lane >> 3) ^ (lane & 7)) << 4);
@@ -277,6 +332,7 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
     out.cleft = len;
     out.act_ptr = act_lane + static_cast<uint32_t>(c_in) * 128;
     out.two_nt = NT == 2 && ws.seg_rows > 8;
+    trace_add(p, kTraceChunks, static_cast<unsigned long long>(len));
     put([&] {
       ws.m_cur = m;
       ws.round_left = avail - len;
@@ -314,7 +370,9 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
       // (compute-sanitizer synccheck reports "divergent thread(s) in block" otherwise). The __syncwarp()
       // first lets each warp arrive once.
       __syncwarp();
+      const unsigned long long t_end = trace_now(p);
       __barrier_sync(0);  // slots written; every warp is done with this round's activation rows
+      if (trace_on(p)) trace_add(p, kTraceRoundEndNs, global_timer_ns() - t_end);
       if (ws.pending) {
         const int mend = (ws.m_cur - ws.m0 + 1) * Kc;  // end of m_cur in the round's flattened chunks
         for (int w = warp + 1; w < WARPS; ++w) {
@@ -359,6 +417,7 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
     });
     // Activation rows -> shared memory. Rows past `rows` are not loaded: they only feed accumulator
     // columns that are never stored.
+    const unsigned long long t_rows = trace_now(p);
     {
       const __nv_bfloat16* src = (xs ? p.x_act : p.act) + static_cast<int64_t>(row0) * p.k;
       const int pieces = p.k / 8;
@@ -372,6 +431,10 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
     }
     __syncwarp();
     __barrier_sync(0);  // the rows are in (non-aligned, as the round's end barrier above)
+    if (trace_on(p)) {
+      trace_add(p, kTraceRowsInNs, global_timer_ns() - t_rows);
+      trace_add(p, kTraceRounds, 1);
+    }
     const int f0 = G.slice_begin(r.F, warp), f1 = G.slice_begin(r.F, warp + 1);
     if (f1 > f0) {
       start_piece(r.m0 + f0 / Kc, f0 % Kc, f1 - f0);
@@ -379,6 +442,17 @@ __device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, u
     }
     // no chunks for this warp in this round: straight to its end
   }
+}
+template <int BT, int WARPS, int EPI>
+__device__ __noinline__ StreamPiece stream_advance(const GroupedGemmParams& p, uint8_t* smem, float4 acc0,
+                                                   float4 acc1) {
+  const unsigned long long t0 = trace_now(p);
+  const StreamPiece r = stream_advance_body<BT, WARPS, EPI>(p, smem, acc0, acc1);
+  if (trace_on(p)) {
+    trace_add(p, kTraceAdvanceCalls, 1);
+    trace_add(p, kTraceAdvanceNs, global_timer_ns() - t0);
+  }
+  return r;
 }
 
 template <int BT, int WARPS, int DEPTH, int CTAS, int EPI>
@@ -390,9 +464,11 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // (p.route_ids), which the permutation kernel already waited for; this grid cannot start before every
   // CTA of its predecessor passed that predecessor's own wait, so their producer has completed. Weights
   // are constant.
+  trace_event(p, kTraceEntry);
   if (!p.weights_before_wait) {
     pdl_wait();
     pdl_launch_dependents();
+    trace_event(p, kTraceWaited);
   }
   constexpr TileConfig kCfg{16 * WARPS, BT, 64, DEPTH, WARPS, 2, CTAS};
   static_assert(tile_config_well_formed(kCfg), "stream config is malformed: see tile_config_well_formed()");
@@ -406,11 +482,12 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
 
   // ---- segments (expert, token tile) per expert, exclusive prefix; each expert's rows ----
   stream_build_schedule<BT, WARPS>(p, G);
-  // CTA i of G owns units [i * U / G, (i + 1) * U / G); U < 2^31 (the launcher checks).
+  trace_event(p, kTraceScheduled);
+  // CTA i of G owns units [stream_split(i), stream_split(i + 1)); U < 2^31 (the launcher checks).
   {
-    const int64_t units = static_cast<int64_t>(G.prefix()[kMaxExperts + 1]) * (p.n / 16);
-    const int u0 = static_cast<int>(units * blockIdx.x / gridDim.x);
-    const int u1 = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
+    const int segs = G.prefix()[kMaxExperts + 1];
+    const int u0 = stream_split(segs, p.n / 16, p.k / 64, p.round_cost, blockIdx.x, gridDim.x);
+    const int u1 = stream_split(segs, p.n / 16, p.k / 64, p.round_cost, blockIdx.x + 1, gridDim.x);
     if (u0 >= u1) {  // uniform over the CTA: no barrier follows
       // Exit only once the predecessor is done: this grid's completion (or trigger) then implies its
       // predecessor's, which the next kernel's early reads (GEMM2's offsets) rely on.
@@ -455,9 +532,11 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   }
 #pragma unroll
   for (int d = 0; d < HALF; ++d) issue(ring_c[d], ring_s[d]);  // the first half; the loop requests the second
+  trace_event(p, kTraceRingIssued);
   if (p.weights_before_wait) {  // the activation rows (the predecessor's output) are read after this
     pdl_wait();
     pdl_launch_dependents();
+    trace_event(p, kTraceWaited);
   }
 
   // ---- math ----
@@ -479,6 +558,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // start of each slot (the ring one chunk deep; 0.59 of the read ceiling at T = 8 instead of 0.75,
   // bench/NOTES.md). The barriers in stream_advance are the non-aligned form, so two call sites are allowed.
   StreamPiece pc = stream_advance<BT, WARPS, EPI>(p, smem, make_float4(0, 0, 0, 0), make_float4(0, 0, 0, 0));
+  trace_event(p, kTraceFirstPiece);
 
   // One K chunk (four k16 steps) of the current m-tile from a ring slot.
   auto step = [&](uint4& words, uint2& sc) {
@@ -535,6 +615,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
       step(ring_c[d], ring_s[d]);
     }
   }
+  trace_event(p, kTraceExit);
 }
 
 }  // namespace fp4moe::kernels

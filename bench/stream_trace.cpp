@@ -1,0 +1,84 @@
+// Summary of the stream kernel's per-warp timeline (`fp4moe bench --mode gemm --trace`). Host code only:
+// kept out of the .cu files, whose nvcc host pass rejects fmt/format.h's constexpr paths.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "gemm_bench.hpp"
+
+namespace fp4moe::bench {
+
+std::string summarize_stream_trace(const std::vector<unsigned long long>& v, int warps_per_cta,
+                                   const std::string& title) {
+  constexpr int S = kStreamTraceSlots;
+  const size_t warps = v.size() / S;
+  auto at = [&](size_t w, int s) { return v[w * S + s]; };
+  unsigned long long t0 = ~0ull, t1 = 0;
+  size_t live = 0;
+  for (size_t w = 0; w < warps; ++w)
+    if (at(w, 0) != 0) t0 = std::min(t0, at(w, 0)), t1 = std::max(t1, std::max(at(w, 5), at(w, 0))), ++live;
+  if (live == 0) return fmt::format("  trace {}: no warp wrote its timeline\n", title);
+  auto us = [&](unsigned long long t) { return static_cast<double>(t - t0) * 1e-3; };
+  std::string out = fmt::format("  trace {}: {} warps ran; first entry -> last exit {:.1f} us\n", title, live, us(t1));
+  auto quantiles = [&](std::vector<double> x, const char* name) {
+    if (x.empty()) return;
+    std::sort(x.begin(), x.end());
+    auto q = [&](double f) { return x[std::min(x.size() - 1, static_cast<size_t>(f * static_cast<double>(x.size() - 1) + 0.5))]; };
+    out += fmt::format("    {:<38} {:7.1f} {:7.1f} {:7.1f} {:7.1f} {:7.1f}\n", name, x.front(), q(0.1), q(0.5), q(0.9),
+                       x.back());
+  };
+  out += fmt::format("    {:<38} {:>7} {:>7} {:>7} {:>7} {:>7}\n", "event (us after the first entry)", "min", "p10", "p50",
+                     "p90", "max");
+  const char* names[] = {"entry", "griddepcontrol.wait returned", "schedule built (CTA barrier)",
+                         "ring's first half requested", "first piece open (rows in)", "math loop done"};
+  for (int s = 0; s <= 5; ++s) {
+    std::vector<double> x;
+    for (size_t w = 0; w < warps; ++w)
+      if (at(w, 0) != 0 && at(w, s) != 0) x.push_back(us(at(w, s)));
+    quantiles(x, names[s]);
+  }
+  // The CTAs' finishing spread: a CTA is done when its last warp is.
+  if (warps_per_cta > 0) {
+    std::vector<double> x;
+    for (size_t c = 0; c * warps_per_cta < warps; ++c) {
+      unsigned long long e = 0;
+      for (size_t w = c * warps_per_cta; w < std::min(warps, (c + 1) * warps_per_cta); ++w)
+        if (at(w, 0) != 0) e = std::max(e, std::max(at(w, 5), at(w, 0)));
+      if (e != 0) x.push_back(us(e));
+    }
+    quantiles(x, "CTA done (its last warp)");
+    // By the rounds a CTA ran (its warps' largest count): a round change costs a barrier, a row load and
+    // the split m-tiles' sums, so CTAs with more rounds finish later unless the split accounts for it.
+    double sum[4] = {0, 0, 0, 0};
+    int n[4] = {0, 0, 0, 0};
+    for (size_t c = 0; c * warps_per_cta < warps; ++c) {
+      unsigned long long e = 0, rounds = 0;
+      for (size_t w = c * warps_per_cta; w < std::min(warps, (c + 1) * warps_per_cta); ++w)
+        if (at(w, 0) != 0) e = std::max(e, std::max(at(w, 5), at(w, 0))), rounds = std::max(rounds, at(w, 13));
+      if (e == 0) continue;
+      const int b = static_cast<int>(std::min<unsigned long long>(rounds, 3));
+      sum[b] += us(e);
+      ++n[b];
+    }
+    out += "    CTA done, mean by rounds run:";
+    for (int b = 0; b < 4; ++b)
+      if (n[b] > 0) out += fmt::format(" {}{} rounds: {:.1f} us ({} CTAs);", b, b == 3 ? "+" : "", sum[b] / n[b], n[b]);
+    out += "\n";
+  }
+  auto mean = [&](int s) {
+    double m = 0;
+    for (size_t w = 0; w < warps; ++w)
+      if (at(w, 0) != 0) m += static_cast<double>(at(w, s));
+    return m / static_cast<double>(live);
+  };
+  out += fmt::format("    per warp (mean): {:.1f} K chunks, {:.2f} rounds; stream_advance {:.1f} calls, {:.2f} us "
+                     "inside: round-end barrier {:.2f} us, activation rows {:.2f} us, m-tile stores {:.2f} us; "
+                     "stream_cursor_next {:.1f} calls, {:.2f} us\n",
+                     mean(10), mean(13), mean(8), mean(11) * 1e-3, mean(6) * 1e-3, mean(7) * 1e-3, mean(14) * 1e-3,
+                     mean(9), mean(12) * 1e-3);
+  return out;
+}
+
+}  // namespace fp4moe::bench
