@@ -42,9 +42,8 @@ struct GemmBenchOptions {
   bool trace = false;                         // one more eager pass with the stream kernels' timeline
 };
 
-// Summary of a stream-config launch's timeline (GroupedGemmArgs::trace, kStreamTraceSlots values per
-// warp as kernels/sm80_nvfp4_grouped_stream.cuh writes them; warps that never wrote their entry are
-// skipped). Pure host code: the CPU tests check it on hand-made timelines.
+// Summary of a stream-config launch's timeline (GroupedGemmArgs::trace: kStreamTraceSlots values per
+// warp, slots StreamTraceSlot in tile_config.hpp; warps that never wrote their entry are skipped).
 std::string summarize_stream_trace(const std::vector<unsigned long long>& v, int warps_per_cta,
                                    const std::string& title);
 

@@ -15,10 +15,12 @@ std::string summarize_stream_trace(const std::vector<unsigned long long>& v, int
   constexpr int S = kStreamTraceSlots;
   const size_t warps = v.size() / S;
   auto at = [&](size_t w, int s) { return v[w * S + s]; };
+  // When a warp finished: its exit, or its entry if it returned before the loop (a CTA without work).
+  auto done = [&](size_t w) { return std::max(at(w, kTraceExit), at(w, kTraceEntry)); };
   unsigned long long t0 = ~0ull, t1 = 0;
   size_t live = 0;
   for (size_t w = 0; w < warps; ++w)
-    if (at(w, 0) != 0) t0 = std::min(t0, at(w, 0)), t1 = std::max(t1, std::max(at(w, 5), at(w, 0))), ++live;
+    if (at(w, kTraceEntry) != 0) t0 = std::min(t0, at(w, kTraceEntry)), t1 = std::max(t1, done(w)), ++live;
   if (live == 0) return fmt::format("  trace {}: no warp wrote its timeline\n", title);
   auto us = [&](unsigned long long t) { return static_cast<double>(t - t0) * 1e-3; };
   std::string out = fmt::format("  trace {}: {} warps ran; first entry -> last exit {:.1f} us\n", title, live, us(t1));
@@ -33,35 +35,31 @@ std::string summarize_stream_trace(const std::vector<unsigned long long>& v, int
                      "p90", "max");
   const char* names[] = {"entry", "griddepcontrol.wait returned", "schedule built (CTA barrier)",
                          "ring's first half requested", "first piece open (rows in)", "math loop done"};
-  for (int s = 0; s <= 5; ++s) {
+  static_assert(kTraceEntry == 0 && kTraceExit == 5, "names[] follows the event slots");
+  for (int s = kTraceEntry; s <= kTraceExit; ++s) {
     std::vector<double> x;
     for (size_t w = 0; w < warps; ++w)
-      if (at(w, 0) != 0 && at(w, s) != 0) x.push_back(us(at(w, s)));
+      if (at(w, kTraceEntry) != 0 && at(w, s) != 0) x.push_back(us(at(w, s)));
     quantiles(x, names[s]);
   }
-  // The CTAs' finishing spread: a CTA is done when its last warp is.
+  // The CTAs' finishing spread (a CTA is done when its last warp is), also by the rounds a CTA ran (its
+  // warps' largest count): a round change costs a barrier, a row load and the split m-tiles' sums, so
+  // CTAs with more rounds finish later unless the split accounts for it.
   if (warps_per_cta > 0) {
     std::vector<double> x;
-    for (size_t c = 0; c * warps_per_cta < warps; ++c) {
-      unsigned long long e = 0;
-      for (size_t w = c * warps_per_cta; w < std::min(warps, (c + 1) * warps_per_cta); ++w)
-        if (at(w, 0) != 0) e = std::max(e, std::max(at(w, 5), at(w, 0)));
-      if (e != 0) x.push_back(us(e));
-    }
-    quantiles(x, "CTA done (its last warp)");
-    // By the rounds a CTA ran (its warps' largest count): a round change costs a barrier, a row load and
-    // the split m-tiles' sums, so CTAs with more rounds finish later unless the split accounts for it.
     double sum[4] = {0, 0, 0, 0};
     int n[4] = {0, 0, 0, 0};
     for (size_t c = 0; c * warps_per_cta < warps; ++c) {
       unsigned long long e = 0, rounds = 0;
       for (size_t w = c * warps_per_cta; w < std::min(warps, (c + 1) * warps_per_cta); ++w)
-        if (at(w, 0) != 0) e = std::max(e, std::max(at(w, 5), at(w, 0))), rounds = std::max(rounds, at(w, 13));
+        if (at(w, kTraceEntry) != 0) e = std::max(e, done(w)), rounds = std::max(rounds, at(w, kTraceRounds));
       if (e == 0) continue;
+      x.push_back(us(e));
       const int b = static_cast<int>(std::min<unsigned long long>(rounds, 3));
       sum[b] += us(e);
       ++n[b];
     }
+    quantiles(x, "CTA done (its last warp)");
     out += "    CTA done, mean by rounds run:";
     for (int b = 0; b < 4; ++b)
       if (n[b] > 0) out += fmt::format(" {}{} rounds: {:.1f} us ({} CTAs);", b, b == 3 ? "+" : "", sum[b] / n[b], n[b]);
@@ -70,14 +68,15 @@ std::string summarize_stream_trace(const std::vector<unsigned long long>& v, int
   auto mean = [&](int s) {
     double m = 0;
     for (size_t w = 0; w < warps; ++w)
-      if (at(w, 0) != 0) m += static_cast<double>(at(w, s));
+      if (at(w, kTraceEntry) != 0) m += static_cast<double>(at(w, s));
     return m / static_cast<double>(live);
   };
   out += fmt::format("    per warp (mean): {:.1f} K chunks, {:.2f} rounds; stream_advance {:.1f} calls, {:.2f} us "
                      "inside: round-end barrier {:.2f} us, activation rows {:.2f} us, m-tile stores {:.2f} us; "
                      "stream_cursor_next {:.1f} calls, {:.2f} us\n",
-                     mean(10), mean(13), mean(8), mean(11) * 1e-3, mean(6) * 1e-3, mean(7) * 1e-3, mean(14) * 1e-3,
-                     mean(9), mean(12) * 1e-3);
+                     mean(kTraceChunks), mean(kTraceRounds), mean(kTraceAdvanceCalls), mean(kTraceAdvanceNs) * 1e-3,
+                     mean(kTraceRoundEndNs) * 1e-3, mean(kTraceRowsInNs) * 1e-3, mean(kTraceEpilogueNs) * 1e-3,
+                     mean(kTraceCursorCalls), mean(kTraceCursorNs) * 1e-3);
   return out;
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <tuple>
 #include <vector>
@@ -161,9 +162,10 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
                    "route_entries = {} must not exceed max_rows = {} (each routed entry is one row)",
                    args.route_entries, args.max_rows);
   }
+  // Segments (expert, token tile) the problem can have at most: the routed rows and the extra set's.
+  const int64_t segments = args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0);
   if (cfg.mma == 2) {
     // The stream kernel counts work units (expert, token tile, m16 tile) and chunk slices in int32.
-    const int64_t segments = args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0);
     FP4MOE_REQUIRE(segments * (w.n / 16) < (int64_t{1} << 31) && (w.n / 16) * (w.k / 64) * cfg.warps < (int64_t{1} << 31),
                    "tile config {}: (max_rows / bt + experts) * n / 16 = {} work units must stay below 2^31; use a "
                    "pipeline config for this size",
@@ -182,8 +184,7 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
 
   // Work tiles <= (rows / bt + experts) * feature tiles; more CTAs than that would only exit.
   const int64_t ftiles = (w.n + cfg.bn - 1) / cfg.bn;
-  const int64_t max_tiles =
-      (args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0)) * ftiles;
+  const int64_t max_tiles = segments * ftiles;
   // Stream configs split all work evenly over the CTAs that are resident at once (a CTA that waited for a
   // slot would double the time), so they always launch exactly that many.
   const int64_t resident = int64_t{info.sms} * info.ctas_per_sm;
@@ -191,7 +192,6 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   const int grid = static_cast<int>(cfg.mma == 2 ? resident : std::max<int64_t>(1, std::min<int64_t>(max_tiles, cap)));
   if (cfg.mma == 2) {
     // stream_split (tile_config.hpp) multiplies the segment count by a CTA index in 32 bits.
-    const int64_t segments = args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0);
     FP4MOE_REQUIRE(segments * grid < (int64_t{1} << 31),
                    "tile config {}: (max_rows / bt + experts) = {} segments times {} CTAs must stay below 2^31; use a "
                    "pipeline config for this size", cfg.name(), segments, grid);

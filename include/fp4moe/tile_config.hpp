@@ -72,6 +72,30 @@ constexpr int stream_split(int segs, int MT, int Kc, int round_cost, int i, int 
   return j * MT + (r <= 0 ? 0 : (r / Kc < MT ? r / Kc : MT));
 }
 
+// Timeline slots (GroupedGemmParams::trace, kStreamTraceSlots values per warp, written by lane 0): a
+// measuring aid for `fp4moe bench --mode gemm --trace`, compiled only with -DFP4MOE_STREAM_TRACE=ON and
+// off when trace is null. Times are %globaltimer (ns); the *Ns slots are sums over the launch, the others
+// counts.
+enum StreamTraceSlot : int {
+  kTraceEntry = 0,        // kernel entry
+  kTraceWaited = 1,       // griddepcontrol.wait returned
+  kTraceScheduled = 2,    // the schedule is built (after its CTA barrier)
+  kTraceRingIssued = 3,   // the ring's first half is requested
+  kTraceFirstPiece = 4,   // the first piece is open (its activation rows are in shared memory)
+  kTraceExit = 5,         // the math loop is done
+  kTraceRoundEndNs = 6,   // waiting at the round-end barriers
+  kTraceRowsInNs = 7,     // loading a round's activation rows (cp.async, its wait and the barrier)
+  kTraceAdvanceCalls = 8,
+  kTraceCursorCalls = 9,
+  kTraceChunks = 10,      // K chunks of this warp's pieces
+  kTraceAdvanceNs = 11,   // inside stream_advance
+  kTraceCursorNs = 12,    // inside stream_cursor_next
+  kTraceRounds = 13,
+  kTraceEpilogueNs = 14,  // storing m-tiles (store_mtile), split sums included
+};
+static_assert(kTraceEpilogueNs < kStreamTraceSlots, "the slots must fit kStreamTraceSlots");
+
+
 // The stream kernel's timeline (GroupedGemmArgs::trace) is compiled in only with
 // -DFP4MOE_STREAM_TRACE=ON: a trace build runs the decode kernel 3-15% slower (bench/NOTES.md).
 #ifdef FP4MOE_STREAM_TRACE
