@@ -8,9 +8,10 @@
 #
 # CMD is the command prefix that runs one fp4moe binary, e.g. 'base=.carry/base/fp4moe' or
 # 'pf16=env FP4MOE_EXP_L2_PREFETCH=16 .carry/dev/fp4moe'. Each round runs every variant's
-# `bench --model MODELS --tokens TOKENS --no-baseline` in the order given; OUTDIR/ab.txt keeps each
-# run's ceilings and rows, OUTDIR/ab-summary.txt the median layer time and read-ceiling ratio per
-# (model, tokens, variant) with the spread over the rounds.
+# `bench --model MODELS --tokens TOKENS --no-baseline $AB_ARGS` in the order given (AB_ARGS: extra bench
+# arguments, e.g. "--mode gemm" for the two expert GEMMs alone); OUTDIR/ab.txt keeps each run's ceilings
+# and rows, OUTDIR/ab-summary.txt the median time, read-ceiling and bf16-rate ratios per (model, tokens,
+# variant) with the spread over the rounds.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: ab_bins.sh OUTDIR MODELS TOKENS ROUNDS LABEL=CMD ...}
@@ -28,8 +29,8 @@ mkdir -p "$OUT"
       cmd=${v#*=}
       echo "== round $round, variant $label ($cmd), $(date +%T)"
       # shellcheck disable=SC2086  # CMD is a command prefix with its own words
-      $cmd bench --model "$MODELS" --tokens "$TOKENS" --no-baseline 2>&1 |
-        grep -E '^ +[0-9]+ |ceilings|MoE layer|rror'
+      $cmd bench --model "$MODELS" --tokens "$TOKENS" --no-baseline ${AB_ARGS:-} 2>&1 |
+        grep -E '^ +[0-9]+ |ceilings|MoE layer|expert GEMMs|rror'
     done
   done
 } 2>&1 | tee "$OUT/ab.txt"
@@ -45,24 +46,26 @@ for line in open(sys.argv[1]):
         if variant not in order:
             order.append(variant)
         continue
-    m = re.match(r"(\S+) MoE layer", line)
+    m = re.match(r"(\S+) (MoE layer|expert GEMMs)", line)
     if m:
         model = m.group(1)
         continue
-    m = re.match(r"\s+(\d+)\s+\d+\s+([\d.]+)\s+[\d.]+\s+([\d.]+)", line)
+    m = re.match(r"\s+(\d+)\s+\d+\s+([\d.]+)\s+[\d.]+\s+([\d.]+)\s+[\d.]+\s+([\d.]+)", line)
     if m and model and variant:
-        runs.setdefault((model, int(m.group(1)), variant), []).append((float(m.group(2)), float(m.group(3))))
-print(f"{'model':<14} {'T':>5} " + " ".join(f"{v:>30}" for v in order))
-print(f"{'':<14} {'':>5} " + " ".join(f"{'us (min-max) xread':>30}" for _ in order))
+        runs.setdefault((model, int(m.group(1)), variant), []).append(
+            (float(m.group(2)), float(m.group(3)), float(m.group(4))))
+print(f"{'model':<14} {'T':>5} " + " ".join(f"{v:>36}" for v in order))
+print(f"{'':<14} {'':>5} " + " ".join(f"{'us (min-max) xread xbf16':>36}" for _ in order))
 for model, t in sorted({(k[0], k[1]) for k in runs}):
     cells = []
     for v in order:
         r = runs.get((model, t, v), [])
         if not r:
-            cells.append(f"{'-':>30}")
+            cells.append(f"{'-':>36}")
             continue
         us = [x[0] for x in r]
         xr = statistics.median(x[1] for x in r)
-        cells.append(f"{statistics.median(us):8.1f} ({min(us):.1f}-{max(us):.1f}) {xr:.3f}".rjust(30))
+        xb = statistics.median(x[2] for x in r)
+        cells.append(f"{statistics.median(us):8.1f} ({min(us):.1f}-{max(us):.1f}) {xr:.3f} {xb:.3f}".rjust(36))
     print(f"{model:<14} {t:>5} " + " ".join(cells))
 PY

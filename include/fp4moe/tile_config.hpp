@@ -222,6 +222,63 @@ constexpr int tma_width_for(const TileConfig& c, int rows) {
     if (rows <= t.w[i]) return t.w[i];
   return c.bt;
 }
+// The token tiles of one expert in a tma config. n rows take ceil(n / bt) tiles however they are cut;
+// the cut decides the widths, i.e. the padded columns the tensor cores compute for nothing. Every tile
+// holds bt rows except the last two, which share the rest R (bt < R <= 2 bt): the second-to-last takes a
+// listed width's worth of rows, the one whose pair of widths sums smallest (each counted as at least
+// bt/4: narrower, a tile is bound by its dequantization, not its width); ties keep the plain cut
+// (bt, R - bt). E.g. bt 256 and 534 rows (GLM-5 at T = 16384 has 512 +- 22 rows per expert): 256 + 256 +
+// 22 ran 256 + 256 + 64 columns, 256 + 144 + 134 runs 256 + 144 + 144. The tile count, hence the work
+// list and the planner's counts, is the plain cut's. The kernel's two roles (producer and consumers)
+// decode every tile with this function (sm90_nvfp4_grouped_tma.cuh).
+struct TokenTile {
+  int first;  // within the expert's rows
+  int rows;   // 1..bt
+};
+constexpr int tma_tile_cost(const TileConfig& c, int rows) {
+  const int w = tma_width_for(c, rows);
+  return w > c.bt / 4 ? w : c.bt / 4;
+}
+// Rows of the second-to-last tile when the last two share R rows (bt < R <= 2 bt).
+constexpr int tma_last_pair_cut(const TileConfig& c, int R) {
+  const TmaWidths t = tma_widths(c);
+  int best = c.bt;
+  int best_cost = tma_tile_cost(c, c.bt) + tma_tile_cost(c, R - c.bt);
+  for (int i = 0; i < t.n; ++i) {
+    const int a = t.w[i];
+    if (a < R && R - a <= c.bt) {
+      const int cost = tma_tile_cost(c, a) + tma_tile_cost(c, R - a);
+      if (cost < best_cost) {
+        best = a;
+        best_cost = cost;
+      }
+    }
+  }
+  return best;
+}
+// The kernel does not search the list per tile (a loop over it kept the list in local memory, and even
+// unrolled it is ~100 instructions on the tile's critical path): the launcher passes this table of the
+// cut for every rest R = bt + 1 .. 2 bt, in units of 8 rows (widths are multiples of 8), and a tile reads
+// its entry from the launch parameters.
+inline constexpr int kTmaCutTableSize = 256;  // the largest bt
+struct TmaCutTable {
+  uint8_t cut8[kTmaCutTableSize];  // [R - bt - 1]: tma_last_pair_cut(c, R) / 8
+};
+constexpr TmaCutTable tma_cut_table(const TileConfig& c) {
+  TmaCutTable t{};
+  for (int i = 0; i < kTmaCutTableSize && i < c.bt; ++i) t.cut8[i] = static_cast<uint8_t>(tma_last_pair_cut(c, c.bt + 1 + i) / 8);
+  return t;
+}
+// Token tile tt (0 .. ceil(n / bt) - 1) of an expert with n >= 1 rows.
+constexpr TokenTile tma_token_tile(const TileConfig& c, int n, int tt) {
+  const int bt = c.bt;
+  const int nt = (n + bt - 1) / bt;
+  if (nt < 2 || tt < nt - 2) return {tt * bt, n - tt * bt < bt ? n - tt * bt : bt};
+  const int base = (nt - 2) * bt;
+  const int a = tma_last_pair_cut(c, n - base);
+  return tt == nt - 2 ? TokenTile{base, a} : TokenTile{base + a, n - base - a};
+}
+
 // Every list ends at bt and ascends in multiples of 8. The two-warpgroup lists at one CTA per SM also hold
 // the copy boxes' heights bt/4, bt/2, 3bt/4, so none of their tiles runs wider than the box it copies (as
 // before the lists); the two-CTA and four-warpgroup lists are too short for that.

@@ -2,10 +2,12 @@
 // test_tuner_tables.cpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <utility>
 
 #include "fp4moe/arch.hpp"
 #include "fp4moe/error.hpp"
@@ -111,6 +113,62 @@ TEST(Planner, TmaWidthsCoverEveryTileAndFitTheCopy) {
   EXPECT_FALSE(tma_widths_well_formed(TileConfig{128, 48, 64, 8, 8, 3}));  // no list for that tile
   EXPECT_FALSE(tile_config_well_formed(TileConfig{256, 128, 64, 8, 16, 3}));  // four warpgroups: bt <= 64
   EXPECT_FALSE(tile_config_well_formed(TileConfig{256, 64, 128, 8, 16, 3}));  // four warpgroups: bk 64
+}
+
+// tma configs: an expert's token tiles cover its rows once and in order, as many tiles as the plain cut
+// (the work list and the planner count ceil(n / bt)), every tile 1..bt rows, all but the last two full,
+// and the widths' sum (each at least bt/4) never above the plain cut's; hand-checked cuts.
+TEST(Planner, TmaTokenTilesCoverTheRowsWithNoMoreWidth) {
+  for (const TileConfig& c : kGemmConfigs) {
+    if (c.mma != 3) continue;
+    SCOPED_TRACE(c.name());
+    for (int n = 1; n <= 5 * c.bt + 3; ++n) {
+      const int nt = (n + c.bt - 1) / c.bt;
+      int next = 0, cost = 0, plain_cost = 0;
+      for (int tt = 0; tt < nt; ++tt) {
+        const TokenTile t = tma_token_tile(c, n, tt);
+        ASSERT_EQ(t.first, next) << "rows " << n << " tile " << tt;
+        ASSERT_GE(t.rows, 1) << "rows " << n << " tile " << tt;
+        ASSERT_LE(t.rows, c.bt) << "rows " << n << " tile " << tt;
+        if (tt < nt - 2) {
+          EXPECT_EQ(t.rows, c.bt);
+        }
+        next += t.rows;
+        cost += tma_tile_cost(c, t.rows);
+        plain_cost += tma_tile_cost(c, std::min(c.bt, n - tt * c.bt));
+      }
+      ASSERT_EQ(next, n);
+      EXPECT_LE(cost, plain_cost) << "rows " << n;
+    }
+  }
+  // the launcher's table (what the kernel reads) holds the same cuts
+  for (const TileConfig& c : kGemmConfigs) {
+    if (c.mma != 3) continue;
+    const TmaCutTable t = tma_cut_table(c);
+    for (int R = c.bt + 1; R <= 2 * c.bt; ++R) {
+      ASSERT_EQ(t.cut8[R - c.bt - 1] * 8, tma_last_pair_cut(c, R)) << c.name() << " rest " << R;
+      ASSERT_EQ(tma_token_tile(c, R, 0).rows, tma_last_pair_cut(c, R)) << c.name() << " rest " << R;
+    }
+  }
+  const TileConfig t256{128, 256, 64, 5, 8, 3};
+  const auto cut = [](const TileConfig& c, int n, int tt) {
+    const TokenTile t = tma_token_tile(c, n, tt);
+    return std::pair<int, int>{t.first, t.rows};
+  };
+  // 534 rows: 256 + 144 + 134 (widths 256 + 144 + 144 against 256 + 256 + 64)
+  EXPECT_EQ(cut(t256, 534, 0), (std::pair<int, int>{0, 256}));
+  EXPECT_EQ(cut(t256, 534, 1), (std::pair<int, int>{256, 144}));
+  EXPECT_EQ(cut(t256, 534, 2), (std::pair<int, int>{400, 134}));
+  // 278: 144 + 134 (288 columns against 320); 300: no pair beats 256 + 64, the plain cut stays
+  EXPECT_EQ(cut(t256, 278, 0), (std::pair<int, int>{0, 144}));
+  EXPECT_EQ(cut(t256, 278, 1), (std::pair<int, int>{144, 134}));
+  EXPECT_EQ(cut(t256, 300, 0), (std::pair<int, int>{0, 256}));
+  EXPECT_EQ(cut(t256, 300, 1), (std::pair<int, int>{256, 44}));
+  EXPECT_EQ(cut(t256, 200, 0), (std::pair<int, int>{0, 200}));  // one tile: nothing to cut
+  // bt 128, 150 rows: 72 + 78 (72 + 80 columns against 128 + 32)
+  const TileConfig t128{128, 128, 64, 10, 8, 3};
+  EXPECT_EQ(cut(t128, 150, 0), (std::pair<int, int>{0, 72}));
+  EXPECT_EQ(cut(t128, 150, 1), (std::pair<int, int>{72, 78}));
 }
 
 TEST(Planner, StreamConfigHandCountedAndKLimit) {

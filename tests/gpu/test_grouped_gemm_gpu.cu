@@ -318,6 +318,33 @@ TEST(GroupedGemmGpu, TmaConfigsEveryTileWidth) {
   }
 }
 
+// tma configs: experts whose last two token tiles share their rest at a cut other than the plain one
+// (tma_token_tile: e.g. bt 256, 534 rows -> 256 + 144 + 134), beside ones where the plain cut stays; both
+// epilogues, a partial feature tile, empty experts in between.
+TEST(GroupedGemmGpu, TmaConfigsLastTwoTilesCut) {
+  REQUIRE_GPU();
+  const ArchInfo arch = arch_from_device(0);
+  int ran = 0;
+  for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
+    const TileConfig cfg = kGemmConfigs[ci];
+    if (cfg.mma != 3 || !plan_sm80(cfg, arch).verdict.valid) continue;
+    SCOPED_TRACE(cfg.name());
+    // the first and last rest (bt < R <= 2 bt) that moves the cut; evenly spaced lists (bt 32) never do
+    int lo = 0, hi = 0;
+    for (int R = cfg.bt + 1; R <= 2 * cfg.bt; ++R) {
+      if (tma_token_tile(cfg, R, 0).rows == cfg.bt) continue;
+      if (lo == 0) lo = R;
+      hi = R;
+    }
+    if (lo == 0) continue;
+    const std::vector<int> rows = {0, lo, 3, hi + cfg.bt, 0, cfg.bt + 1, 2 * cfg.bt - 1, lo + 2 * cfg.bt, 0};
+    run_problem({cfg.bn + 48, 2 * cfg.bk, rows, GemmEpilogue::kPlain, true, true}, cfg, 120 + ci);
+    run_problem({2 * cfg.bn, 3 * cfg.bk, rows, GemmEpilogue::kSwiGLU}, cfg, 121 + ci);
+    ++ran;
+  }
+  if (ran == 0) GTEST_SKIP() << "no tma config with a moved cut is valid on " << arch.name << " (they need sm_90a)";
+}
+
 // tma configs with few CTAs, so each runs many work tiles in turn: the stage ring's position and its
 // barriers' phases carry across tiles, which a launch of one tile per CTA never reaches. One CTA (every
 // tile on one SM), two and three; ragged experts with empty ones, K of 3 stages (not dividing the ring)

@@ -90,6 +90,9 @@ struct GroupedGemmParams {
   int round_cost;
   // Stream kernel timeline (GroupedGemmArgs::trace): kStreamTraceSlots values per warp, or null.
   unsigned long long* trace;
+  // tma kernel: an expert's last two token tiles split their rest R at tma_cut.cut8[R - bt - 1] * 8 rows
+  // (tma_cut_table, tile_config.hpp).
+  TmaCutTable tma_cut;
   GroupedGemmTmaMaps tma;
 };
 
@@ -288,8 +291,15 @@ struct WorkTile {
   int rows;      // valid rows (1..BT)
 };
 
+// cut(n, tt): token tile tt of an expert's n rows as a TokenTile (tile_config.hpp); the tile count is
+// ceil(n / BT) for every cut. The plain cut: BT rows each, the rest in the last.
 template <int BT>
-__device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, const GroupedGemmParams& p, int experts) {
+struct PlainTokenTiles {
+  __device__ TokenTile operator()(int n, int tt) const { return {tt * BT, min(BT, n - tt * BT)}; }
+};
+template <int BT, class Cut = PlainTokenTiles<BT>>
+__device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, const GroupedGemmParams& p, int experts,
+                                                Cut cut = Cut{}) {
   const int lo = find_expert(w, prefix, experts);
   WorkTile t;
   t.expert = lo;
@@ -300,8 +310,9 @@ __device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, co
   const int local = w - prefix[lo];
   t.ftile = local / ttiles;
   const int tt = local - t.ftile * ttiles;
-  t.row0 = a + tt * BT;
-  t.rows = min(BT, b - t.row0);
+  const TokenTile r = cut(b - a, tt);
+  t.row0 = a + r.first;
+  t.rows = r.rows;
   return t;
 }
 

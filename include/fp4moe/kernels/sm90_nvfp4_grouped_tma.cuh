@@ -21,7 +21,8 @@
 //   wgmma, not a 64-wide one. The activation copy is that width rounded up to bt/4 rows (one tensor map
 //   per box height).
 // - Work tiles (expert, feature tile, token tile) and the epilogue are the pipeline kernel's
-//   (sm80_nvfp4_grouped_gemm.cuh): the same rounding, stores from registers. The plain epilogue's row
+//   (sm80_nvfp4_grouped_gemm.cuh): the same rounding, stores from registers. Only an expert's last two
+//   token tiles are cut differently, where that narrows their widths (TmaTokenTiles below). The plain epilogue's row
 //   scales are copied into shared memory by each consumer warp before the tile's K loop, so the tile
 //   end waits on no global load for them.
 #pragma once
@@ -56,6 +57,21 @@ template <TileConfig CFG, class F>
 __device__ __forceinline__ void tma_with_width(int rows, F&& f) {
   tma_with_width_impl<CFG>(rows, f, std::make_integer_sequence<int, tma_widths(CFG).n>{});
 }
+
+// The tma configs' token tiles: the last two of an expert share its rest at the cut with the narrowest
+// pair of widths (tma_token_tile, tile_config.hpp), read from the launcher's table of cuts.
+template <TileConfig CFG>
+struct TmaTokenTiles {
+  const TmaCutTable& cuts;
+  __device__ __forceinline__ TokenTile operator()(int n, int tt) const {
+    constexpr int BT = CFG.bt;
+    const int nt = (n + BT - 1) / BT;
+    if (tt < nt - 2 || nt < 2) return {tt * BT, min(BT, n - tt * BT)};
+    const int base = (nt - 2) * BT;
+    const int a = cuts.cut8[n - base - BT - 1] * 8;
+    return tt == nt - 2 ? TokenTile{base, a} : TokenTile{base + a, n - base - a};
+  }
+};
 
 template <int BN, int BT, int BK, int STAGES, int WARPS, int CTAS, int EPI>
 struct TmaConsumer {
@@ -206,7 +222,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
 #pragma unroll 1
     for (int ti = 0; ti < my_tiles; ++ti) {
       const WorkTile t =
-          decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
+          decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E,
+                          TmaTokenTiles<kCfg>{p.tma_cut});
       // the consumers' width, and the activation map whose box has that many rows
       int wsel = 3;
       tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
@@ -258,7 +275,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   const uint32_t rs_off = static_cast<uint32_t>(kL.rs_offset) + static_cast<uint32_t>(cw * BT * 4);
 #pragma unroll 1
   for (int ti = 0; ti < my_tiles; ++ti) {
-    const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E);
+    const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E,
+                                       TmaTokenTiles<kCfg>{p.tma_cut});
     if constexpr (kStageRs) {
       __syncwarp();  // the last tile's reads of the buffer, by every lane, precede its refill
       const bool scaled = !t.extra && p.row_scale != nullptr;
