@@ -29,8 +29,10 @@ mkdir -p "$OUT"
       cmd=${v#*=}
       echo "== round $round, variant $label ($cmd), $(date +%T)"
       # shellcheck disable=SC2086  # CMD is a command prefix with its own words
-      $cmd bench --model "$MODELS" --tokens "$TOKENS" --no-baseline ${AB_ARGS:-} 2>&1 |
+      # stderr apart: its progress lines would otherwise land inside the table rows
+      $cmd bench --model "$MODELS" --tokens "$TOKENS" --no-baseline ${AB_ARGS:-} 2> "$OUT/stderr.txt" |
         grep -E '^ +[0-9]+ |ceilings|MoE layer|expert GEMMs|rror'
+      grep -E 'ceilings|rror' "$OUT/stderr.txt"
     done
   done
 } 2>&1 | tee "$OUT/ab.txt"
