@@ -230,7 +230,7 @@ constexpr int tma_width_for(const TileConfig& c, int rows) {
 // (bt, R - bt). E.g. bt 256 and 534 rows (GLM-5 at T = 16384 has 512 +- 22 rows per expert): 256 + 256 +
 // 22 ran 256 + 256 + 64 columns, 256 + 144 + 134 runs 256 + 144 + 144. The tile count, hence the work
 // list and the planner's counts, is the plain cut's. The kernel's two roles (producer and consumers)
-// decode every tile with this function (sm90_nvfp4_grouped_tma.cuh).
+// decode every tile with the same cut, read from tma_cut_table below (sm90_nvfp4_grouped_tma.cuh).
 struct TokenTile {
   int first;  // within the expert's rows
   int rows;   // 1..bt
