@@ -43,16 +43,16 @@ detail::GemmKernelFn kernel_for(int idx, GemmEpilogue epi) {
   FP4MOE_FAIL("epilogue {} is not a GemmEpilogue value", static_cast<int>(epi));
 }
 
-// The tma configs' cut tables (tma_cut_table), computed once per config: a launch copies one into its
-// parameters.
-const TmaCutTable& tma_cut_table_of(const TileConfig& cfg) {
+// The tma configs' cut tables (tma_cut_table), computed once per config, by config_index(): a launch
+// copies one into its parameters.
+const TmaCutTable& tma_cut_table_of(int idx) {
   static const std::vector<TmaCutTable> tables = [] {
     std::vector<TmaCutTable> t(kNumGemmConfigs);
     for (int i = 0; i < kNumGemmConfigs; ++i)
       if (kGemmConfigs[i].mma == 3) t[i] = tma_cut_table(kGemmConfigs[i]);
     return t;
   }();
-  return tables[config_index(cfg)];
+  return tables[idx];
 }
 
 struct LaunchInfo {
@@ -234,7 +234,7 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
   p.route_n = ids ? static_cast<int>(args.route_entries) : 0;
   // What a round change costs a CTA, in chunks of its stream (stream_split).
   p.round_cost = cfg.mma == 2 ? kStreamRoundCostChunks * cfg.warps : 0;
-  if (cfg.mma == 3) p.tma_cut = tma_cut_table_of(cfg);
+  if (cfg.mma == 3) p.tma_cut = tma_cut_table_of(idx);
   if (xw != nullptr) {
     p.x_codes = xw->codes;
     p.x_scales = xw->scales;
