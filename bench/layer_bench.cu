@@ -10,6 +10,7 @@
 #include "fp4moe/device_buffer.hpp"
 #include "fp4moe/moe_layer.hpp"
 #include "gemm_bench.hpp"
+#include "kernel_timeline.hpp"
 
 namespace fp4moe::bench {
 namespace {
@@ -134,6 +135,7 @@ void run_layer_bench(const MoeConfig& cfg, const LayerBenchOptions& opt, const C
                 tbps / c.stream_read_tbps, tflops, tflops / c.bf16_tflops, bf16_us, bf16_us > 0 ? bf16_us / us : 0.0,
                 us / floor_us);
     std::fflush(stdout);
+    if (opt.timeline) print_kernel_timeline(graph_kernel_timeline(fwd, s, 5), us);
     const auto tc = layer.tile_configs(T);
     nlohmann::json row = {{"tokens", T},
                           {"active_experts", active},

@@ -16,6 +16,7 @@ struct LayerBenchOptions {
   std::vector<int64_t> tokens;  // default {1, 8, 32, 128, 512, 1024, 4096}
   bool baseline = true;
   bool breakdown = false;
+  bool timeline = false;  // one graph replay's kernels on the GPU clock (kernel_timeline.hpp)
   int reps = 20;
   uint64_t seed = 1;
 };

@@ -28,6 +28,7 @@ struct BenchArgs {
   std::vector<int64_t> tokens;
   bool no_baseline = false;
   bool breakdown = false;
+  bool timeline = false;
   bool compare_heuristic = false;
   bool trace = false;
   int reps = 20;
@@ -155,6 +156,9 @@ void register_bench(CLI::App& app) {
   sub->add_option("--tokens", args->tokens, "token counts (default: the issue's list for the mode)")->delimiter(',');
   sub->add_flag("--no-baseline", args->no_baseline, "skip the bf16 baseline");
   sub->add_flag("--breakdown", args->breakdown, "layer mode: time each stage");
+  sub->add_flag("--timeline", args->timeline,
+                "layer mode: under each row, the kernels of one graph replay on the GPU clock (start, end, gap; "
+                "CUPTI activity records, libcupti of the CUDA toolkit loaded at run time)");
   sub->add_option("--reps", args->reps, "timed graph replays per measurement (median reported)")->capture_default_str();
   sub->add_option("--json", args->json, "also write the results as JSON to this file");
   sub->add_option("--tile1", args->tile1, "gemm mode: force GEMM1's config (a config name, or BNxBTxBKxSTAGESxWARPS)");
@@ -185,6 +189,8 @@ void register_bench(CLI::App& app) {
     FP4MOE_REQUIRE(!args->trace || kStreamTraceBuilt,
                    "--trace: this build has no stream-kernel timeline (configure with -DFP4MOE_STREAM_TRACE=ON)");
     FP4MOE_REQUIRE(!args->trace || args->mode == "gemm", "--trace applies to --mode gemm, not --mode {}", args->mode);
+    FP4MOE_REQUIRE(!args->timeline || args->mode == "layer", "--timeline applies to --mode layer, not --mode {}",
+                   args->mode);
     std::vector<MoeConfig> cfgs;  // the arguments first: a bad model name is reported without a GPU too
     for (const std::string& name : parse_preset_list(args->model))
       cfgs.push_back(tensor_parallel_slice(preset(name), args->tp));
@@ -225,6 +231,7 @@ void register_bench(CLI::App& app) {
         o.tokens = args->tokens;
         o.baseline = !args->no_baseline;
         o.breakdown = args->breakdown;
+        o.timeline = args->timeline;
         o.reps = args->reps;
         bench::run_layer_bench(cfg, o, c, s, m);
       }
