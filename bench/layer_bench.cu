@@ -1,6 +1,7 @@
 #include "layer_bench.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <set>
 
@@ -135,7 +136,15 @@ void run_layer_bench(const MoeConfig& cfg, const LayerBenchOptions& opt, const C
                 tbps / c.stream_read_tbps, tflops, tflops / c.bf16_tflops, bf16_us, bf16_us > 0 ? bf16_us / us : 0.0,
                 us / floor_us);
     std::fflush(stdout);
-    if (opt.timeline) print_kernel_timeline(graph_kernel_timeline(fwd, s, 5), us);
+    if (opt.timeline) {
+      // The routing this input produced, per active expert: what decides the GEMMs' token tiles.
+      int lo = INT32_MAX, hi = 0;
+      for (int e = 0; e < E; ++e)
+        if (off[e + 1] > off[e]) lo = std::min(lo, off[e + 1] - off[e]), hi = std::max(hi, off[e + 1] - off[e]);
+      std::printf("    rows per active expert: min %d, mean %.1f, max %d\n", active > 0 ? lo : 0,
+                  active > 0 ? double(off[E] - off[0]) / active : 0.0, hi);
+      print_kernel_timeline(graph_kernel_timeline(fwd, s, 5), us);
+    }
     const auto tc = layer.tile_configs(T);
     nlohmann::json row = {{"tokens", T},
                           {"active_experts", active},
