@@ -73,13 +73,19 @@ void flush_l2(cudaStream_t stream) {
   FP4MOE_CUDA_CHECK(cudaMemsetAsync(flush.get(), 0x5a, flush.bytes(), stream));
 }
 
-double time_graph_us(const std::function<void(cudaStream_t)>& record, cudaStream_t stream, int reps, int warmup) {
+CapturedGraph::CapturedGraph(const std::function<void(cudaStream_t)>& record, cudaStream_t stream) {
   cudaGraph_t graph;
-  cudaGraphExec_t exec;
   FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   record(stream);
   FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph, 0));
+  FP4MOE_CUDA_CHECK(cudaGraphDestroy(graph));  // the executable graph does not need it
+}
+CapturedGraph::~CapturedGraph() { cudaGraphExecDestroy(exec_); }
+void CapturedGraph::launch(cudaStream_t stream) const { FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }
+
+double time_graph_us(const std::function<void(cudaStream_t)>& record, cudaStream_t stream, int reps, int warmup) {
+  const CapturedGraph graph(record, stream);
   auto& flush = flush_buffer();
   cudaEvent_t a, b;
   FP4MOE_CUDA_CHECK(cudaEventCreate(&a));
@@ -88,7 +94,7 @@ double time_graph_us(const std::function<void(cudaStream_t)>& record, cudaStream
   for (int i = 0; i < warmup + reps; ++i) {
     FP4MOE_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes(), stream));
     FP4MOE_CUDA_CHECK(cudaEventRecord(a, stream));
-    FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch(stream);
     FP4MOE_CUDA_CHECK(cudaEventRecord(b, stream));
     FP4MOE_CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
@@ -97,8 +103,6 @@ double time_graph_us(const std::function<void(cudaStream_t)>& record, cudaStream
   }
   FP4MOE_CUDA_CHECK(cudaEventDestroy(a));
   FP4MOE_CUDA_CHECK(cudaEventDestroy(b));
-  FP4MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  FP4MOE_CUDA_CHECK(cudaGraphDestroy(graph));
   return median(times);
 }
 

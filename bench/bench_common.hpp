@@ -22,6 +22,20 @@ Ceilings measure_ceilings(cudaStream_t stream);
 // Writes a buffer of four times the L2 size, so the next kernel finds nothing of its inputs in L2.
 void flush_l2(cudaStream_t stream);
 
+// The work `record` puts on `stream`, captured once and instantiated; the executable graph is destroyed
+// with this object. Shared by the timing loops (time_graph_us, the EP bench, --timeline).
+class CapturedGraph {
+ public:
+  CapturedGraph(const std::function<void(cudaStream_t)>& record, cudaStream_t stream);
+  ~CapturedGraph();
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  void launch(cudaStream_t stream) const;
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // Median time (microseconds) of `reps` replays of the work recorded by `record` (captured once in a
 // CUDA graph), each preceded by an L2 flush outside the timed region.
 double time_graph_us(const std::function<void(cudaStream_t)>& record, cudaStream_t stream, int reps = 20,

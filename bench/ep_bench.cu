@@ -63,18 +63,13 @@ class ReplayTimer {
   // graph), also the median of each stage.
   double time(const std::function<void(cudaStream_t)>& record, int reps, int warmup, const cudaEvent_t* events,
               std::vector<double>* stages) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(s_, cudaStreamCaptureModeThreadLocal));
-    record(s_);
-    FP4MOE_CUDA_CHECK(cudaStreamEndCapture(s_, &graph));
-    FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const CapturedGraph graph(record, s_);
     std::vector<double> times;
     std::vector<std::vector<double>> st(kNumEpStages);
     for (int i = 0; i < warmup + reps; ++i) {
       FP4MOE_CUDA_CHECK(cudaMemsetAsync(flush_.get(), i & 0xff, flush_.bytes(), s_));
       FP4MOE_CUDA_CHECK(cudaEventRecord(a_, s_));
-      FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, s_));
+      graph.launch(s_);
       FP4MOE_CUDA_CHECK(cudaEventRecord(b_, s_));
       FP4MOE_CUDA_CHECK(cudaEventSynchronize(b_));
       float ms = 0;
@@ -87,8 +82,6 @@ class ReplayTimer {
           st[k].push_back(ms * 1e3);
         }
     }
-    FP4MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    FP4MOE_CUDA_CHECK(cudaGraphDestroy(graph));
     if (stages != nullptr)
       for (int k = 0; k < kNumEpStages; ++k) stages->push_back(median(st[k]));
     return median(times);

@@ -137,18 +137,13 @@ std::vector<KernelSpan> graph_kernel_timeline(const std::function<void(cudaStrea
     return true;
   }();
   (void)registered;
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  record(stream);
-  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const CapturedGraph graph(record, stream);
   std::vector<std::vector<RawSpan>> runs;
   for (int r = 0; r < replays + 1; ++r) {  // the first replay warms up (code, CUPTI's own first-use costs)
     flush_l2(stream);
     FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     check(c.enable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityEnable");
-    FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    graph.launch(stream);
     FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
     check(c.disable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityDisable");
     check(c.flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
@@ -156,8 +151,6 @@ std::vector<KernelSpan> graph_kernel_timeline(const std::function<void(cudaStrea
     if (r > 0) runs.push_back(g_spans);
     g_spans.clear();
   }
-  FP4MOE_CUDA_CHECK(cudaGraphExecDestroy(exec));
-  FP4MOE_CUDA_CHECK(cudaGraphDestroy(graph));
   // Per kernel position (start order), the median over the replays of its start and end from the
   // replay's first start.
   std::vector<KernelSpan> out;
