@@ -34,6 +34,7 @@ struct EpMoeLayer::Impl {
   std::shared_ptr<EpTransport> transport;  // null only for world size 1 without a communicator
   detail::RepackedGemm gemm1, gemm2, shared1, shared2;
   OwnedDeviceBuffer router_bias;
+  OwnedDeviceBuffer tile_counters;  // detail::make_tile_counters
   MoeTileConfigs tiles;
   std::vector<MoeResolvedTileConfigs> auto_tiles;  // by world * tokens
   EpWorkspaceLayout layout;
@@ -88,6 +89,7 @@ void EpMoeLayer::Impl::init(const MoeConfig& c, const MoeLayerWeights& w, int ex
   shared1 = std::move(g.shared1);
   shared2 = std::move(g.shared2);
   router_bias = detail::copy_to_owned(w.router_bias, c.num_experts * sizeof(float), stream);
+  tile_counters = detail::make_tile_counters(stream);
   auto_tiles = detail::resolve_auto_tiles(c, world * capacity.max_tokens, arch_from_device(device));
   layout = ep_workspace_layout(c, part, rank, capacity);
 
@@ -354,6 +356,7 @@ void EpMoeLayer::forward(cudaStream_t stream, const void* hidden, int64_t tokens
     gb.shared_rows = std::max<int64_t>(tokens, 1);
     gb.shared_gemm1_out = at(L.shared_gemm1_out);
     gb.shared_gemm2_out = at(L.shared_gemm2_out);
+    gb.tile_counters = m.tile_counters.as<int32_t>();
     const detail::ExpertGemmWeights gw{&m.gemm1.view, &m.gemm2.view, &m.shared1.view, &m.shared2.view};
     detail::run_expert_gemm1(c, gw, gb, tiles, stream);
     detail::run_expert_gemm2(c, gw, gb, tiles, stream);

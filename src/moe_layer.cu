@@ -44,6 +44,13 @@ OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stre
   return b;
 }
 
+OwnedDeviceBuffer make_tile_counters(cudaStream_t stream) {
+  OwnedDeviceBuffer b(static_cast<size_t>(kLayerTileCounters) * kTileCounterStride * sizeof(int32_t),
+                      "the layer's GEMM tile counters");
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(b.get(), 0, b.bytes(), stream));
+  return b;
+}
+
 void pad_copy_device(const PadCopy& c, const void* src, void* dst, cudaStream_t stream) {
   FP4MOE_CUDA_CHECK(cudaMemsetAsync(dst, 0, c.dst_bytes, stream));
   FP4MOE_CUDA_CHECK(cudaMemcpy2DAsync(dst, c.dpitch, src, c.spitch, c.width, c.height, cudaMemcpyDeviceToDevice,
@@ -339,6 +346,10 @@ bool fuse_shared_expert(const MoeConfig& c, bool shared, int64_t shared_rows, co
   return c.num_shared == 1 && shared && (few_tiles || (routed.mma != 2 && routed.mma != 3));
 }
 
+static int32_t* tile_counter(const ExpertGemmBuffers& b, int launch) {
+  return b.tile_counters != nullptr ? b.tile_counters + launch * kTileCounterStride : nullptr;
+}
+
 void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
                       const MoeResolvedTileConfigs& tiles, cudaStream_t stream) {
   const GemmEpilogue act_epi =
@@ -366,6 +377,8 @@ void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   // The routed launch follows the permutation directly; a fused shared expert's rows are [0, shared_rows)
   a.route_ids = b.route_ids;
   a.route_entries = b.route_entries;
+  a.tile_counter = tile_counter(b, 0);
+  sa.tile_counter = tile_counter(b, 1);
   if (fused_shared) {
     grouped_gemm_nvfp4(*w.gemm1, a, *w.shared1, sa, tiles.gemm1, stream);
   } else {
@@ -393,6 +406,8 @@ void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   sa.max_rows = b.shared_rows;
   sa.row_scale = nullptr;
   sa.out = b.shared_gemm2_out;
+  a.tile_counter = tile_counter(b, 2);
+  sa.tile_counter = tile_counter(b, 3);
   if (fused_shared) {
     grouped_gemm_nvfp4(*w.gemm2, a, *w.shared2, sa, tiles.gemm2, stream);
   } else {
@@ -411,6 +426,8 @@ struct MoeLayer::Impl {
   RepackedGemm gemm1, gemm2, shared1, shared2;
   OwnedDeviceBuffer router_bias, router_weight, cublas_workspace;
   OwnedDeviceBuffer shared_w13_bf16, shared_w2_bf16;  // a bf16 shared expert (cuBLAS GEMMs)
+  // make_tile_counters: one forward() at a time per layer uses them (as it does the cuBLAS workspace)
+  OwnedDeviceBuffer tile_counters;
   cublasHandle_t cublas = nullptr;
   MoeTileConfigs tiles;
   // Automatic choices per token bucket [2^b, 2^(b+1)): tuner cache, else heuristic. Resolved once in
@@ -457,6 +474,7 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
     pad_copy_device(pad_cols(H, Is * 2, Isk * 2), w.shared_w2_bf16, m.shared_w2_bf16.get(), stream);
   }
   m.router_bias = copy_to_owned(w.router_bias, E * sizeof(float), stream);
+  m.tile_counters = detail::make_tile_counters(stream);
   if (w.router_weight != nullptr)
     m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * cfg.hidden) * 2, stream);
   if (w.router_weight != nullptr || shared_bf16) {
@@ -605,6 +623,7 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   gb.shared_gemm1_out = shared_gemm1_out;
   gb.shared_gemm2_out = ws.shared_gemm2_out;
   gb.programmatic_launch = true;
+  gb.tile_counters = m.tile_counters.as<int32_t>();
   // GEMM1's stream configs count the ids themselves (at most 16 KB, read by every CTA from L2) and start
   // streaming weights while the permutation runs, up to the one-launch permutation's size.
   if (n <= kMoeSmallPermuteMaxEntries) {

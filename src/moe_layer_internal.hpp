@@ -22,6 +22,14 @@ OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stre
 // The device side of a PadCopy (weight_padding.hpp): zero dst, then the strided copy from src.
 void pad_copy_device(const PadCopy& c, const void* src, void* dst, cudaStream_t stream);
 
+// The tile counters of the layer's four GEMM launches (GroupedGemmArgs::tile_counter): routed GEMM1, the
+// shared expert's own GEMM1, routed GEMM2, the shared GEMM2; 128 bytes apart so their atomics do not share
+// a line. Owned by the layer and zeroed once here (each launch leaves its counter zero), because the
+// caller's workspace arrives uninitialized.
+inline constexpr int kLayerTileCounters = 4;
+inline constexpr int kTileCounterStride = 32;  // int32
+OwnedDeviceBuffer make_tile_counters(cudaStream_t stream);
+
 // One grouped GEMM's weights repacked into memory the layer owns, and the view the kernel reads.
 struct RepackedGemm {
   OwnedDeviceBuffer codes, scales, global, global_up, bias;
@@ -76,6 +84,8 @@ struct ExpertGemmBuffers {
   // GEMM1's stream configs count them before waiting (GroupedGemmArgs::route_ids). Null: they wait.
   const int32_t* route_ids = nullptr;
   int64_t route_entries = 0;
+  // make_tile_counters' buffer: the tma configs take work tiles in arrival order. Null: static shares.
+  int32_t* tile_counters = nullptr;
 };
 
 // The weights of the four GEMM calls (shared1/shared2 null when cfg.num_shared == 0 or when the shared

@@ -97,8 +97,10 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
   const size_t stage_pad = pad_to(parts, 1024);
   p.stage_bytes = parts + stage_pad;
   p.sched_offset = p.stage_bytes * static_cast<size_t>(c.stages);
-  // Scheduler: tile prefix of every expert slot 0..kMaxExperts plus the total, int32 each.
-  const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4;
+  // Scheduler: tile prefix of every expert slot 0..kMaxExperts plus the total, int32 each; tma configs
+  // add the work-tile slots through which the producer hands tiles to the consumers (kTmaTileSlots int32).
+  const size_t slots = c.mma == 3 ? static_cast<size_t>(kTmaTileSlots) * 4 : 0;
+  const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4 + slots;
   const size_t sched_pad = pad_to(sched, 128);
   p.sched_bytes = sched + sched_pad;
   // tma configs: a "full" and an "empty" mbarrier of 8 bytes per stage, after the scheduler; then each
@@ -128,8 +130,10 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
                             stage_pad ? fmt::format(" (+ {} pad)", stage_pad) : ""),
        p.stage_bytes);
   line("pipeline", fmt::format("stages * stage = {} * {}", c.stages, with_commas(p.stage_bytes)), p.sched_offset);
-  line("scheduler", fmt::format("(kMaxExperts + 2) * 4 = ({} + 2) * 4{}", kMaxExperts,
-                                sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
+  line("scheduler", c.mma == 3 ? fmt::format("(kMaxExperts + 2 + tile slots) * 4 = ({} + 2 + {}) * 4{}", kMaxExperts,
+                                             kTmaTileSlots, sched_pad ? fmt::format(" + {} pad", sched_pad) : "")
+                               : fmt::format("(kMaxExperts + 2) * 4 = ({} + 2) * 4{}", kMaxExperts,
+                                             sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
        p.sched_bytes);
   if (c.mma == 3) {
     line("mbarriers", fmt::format("stages * 2 * 8 = {} * 2 * 8 (full + empty per stage){}", c.stages,

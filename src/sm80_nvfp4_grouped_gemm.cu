@@ -174,6 +174,9 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
                    "route_entries = {} must not exceed max_rows = {} (each routed entry is one row)",
                    args.route_entries, args.max_rows);
   }
+  FP4MOE_REQUIRE(cfg.mma != 3 || aligned(args.tile_counter, 8),
+                 "tile_counter = {} must be 8-byte aligned (int32[2]: tiles claimed, CTAs done)",
+                 fmt::ptr(args.tile_counter));
   // Segments (expert, token tile) the problem can have at most: the routed rows and the extra set's.
   const int64_t segments = args.max_rows / cfg.bt + w.num_experts + (xa ? xa->max_rows / cfg.bt + 1 : 0);
   if (cfg.mma == 2) {
@@ -256,6 +259,7 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
                    kStreamTraceSlots);
     p.trace = args.trace;
   }
+  if (cfg.mma == 3) p.tile_counter = args.tile_counter;
   if (cfg.mma == 3) detail::encode_tma_maps(p.tma, cfg, w, args, xw, xa);
   detail::launch(fn, dim3(grid), dim3(cfg.threads()), info.smem, stream, args.programmatic_launch, p);
 }

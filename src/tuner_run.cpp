@@ -108,6 +108,10 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
   cudaEvent_t ev0, ev1;
   FP4MOE_CUDA_CHECK(cudaEventCreate(&ev0));
   FP4MOE_CUDA_CHECK(cudaEventCreate(&ev1));
+  // The tile counter the layer's launches use (GroupedGemmArgs::tile_counter): the tma configs are timed
+  // taking work tiles in arrival order, as the layer runs them. Each launch leaves it zero.
+  DeviceBuffer tile_counter(8);
+  FP4MOE_CUDA_CHECK(cudaMemset(tile_counter.p, 0, 8));
 
   for (const TuneProblem& pr : problems) {
     FP4MOE_REQUIRE(pr.experts >= 1 && pr.top_k >= 1 && pr.top_k <= pr.experts,
@@ -214,6 +218,7 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
           a.max_rows = std::max<int64_t>(rows, 1);
           a.out = s.out->p;
           a.epilogue = pr.epilogue;
+          a.tile_counter = static_cast<int32_t*>(tile_counter.p);
           grouped_gemm_nvfp4(w, a, cfg, stream);
         };
         for (int i = 0; i < opt.warmup; ++i) launch(in[static_cast<size_t>(i % sets)]);

@@ -76,6 +76,15 @@ struct GroupedGemmArgs {
   // ignored by the other configs. Null: no trace.
   unsigned long long* trace = nullptr;
   size_t trace_capacity = 0;
+  // Optional, tma configs (ignored by the others, and in an extra set's args): device int32[2], 8-byte
+  // aligned, zero before its first launch; every launch leaves it zero. The CTAs then take work tiles in
+  // arrival order (each its first by index, every later one claimed from this counter), so the CTAs that
+  // start late or draw slow tiles take fewer instead of ending last. Results are bit-identical either
+  // way (a tile is computed whole by one CTA). Launches that may run at the same time (other streams)
+  // need their own counters; launches in one stream may share one (each reads it only once its
+  // predecessor completed, after griddepcontrol.wait under a programmatic launch). Null: each CTA takes
+  // every grid-th tile from its index.
+  int32_t* tile_counter = nullptr;
 };
 
 // Values a stream-config launch writes to GroupedGemmArgs::trace on this GPU (0 for other configs).

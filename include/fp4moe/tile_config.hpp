@@ -135,7 +135,8 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 
 // Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:
 //   [stage 0 .. stages-1] each = activations | codes | scales, padded to 1024 bytes
-//   [scheduler] (kMaxExperts + 1) int32 tile prefix + 1 int32 total, 128-byte aligned
+//   [scheduler] (kMaxExperts + 1) int32 tile prefix + 1 int32 total; tma configs: + kTmaTileSlots int32
+//               work-tile slots; 128-byte aligned
 //   [barriers]  tma configs only: a "full" and an "empty" mbarrier (8 B each) per stage, 128-byte aligned
 //   [row scales] tma configs only: bt floats per consumer warp (the tile's routing weights, copied by
 //               each warp for its own epilogue), 128-byte aligned
@@ -143,6 +144,13 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 // (16-byte chunk c of row r at c ^ (r & 7)) are then exactly wgmma's K-major SWIZZLE_128B layout, whose
 // pattern repeats every 1024 bytes. The epilogue stores from registers, so the next tile's loads stay
 // in flight during it (no bytes; the tma configs' row scales are its only shared memory).
+// The tma kernel's work-tile slots, one per stage, after the scheduler's prefix: the producer writes the
+// index of each tile it starts (or -1 at the end) into the slot of the stage that takes the tile's first
+// K step, after that stage's empty barrier and before its arrive on the full one; the consumer warps
+// read it after their wait on that full barrier. The stage's barriers thus order the slot as they order the
+// stage. Up to kTmaTileSlots stages; the slots fit in the scheduler's 128-byte padding.
+inline constexpr int kTmaTileSlots = 16;
+
 struct GemmSmemLayout {
   size_t act_bytes;      // per stage: bt x bk x 2 B (bf16), [bk/64 slabs][bt rows][128 B]
   size_t codes_bytes;    // per stage: (bn/16) m-tiles x (bk/64) chunks x 512 B
@@ -150,7 +158,7 @@ struct GemmSmemLayout {
   size_t codes_offset;   // within a stage
   size_t scales_offset;
   size_t stage_bytes;    // act + codes + scales, rounded up to 1024
-  size_t sched_offset;
+  size_t sched_offset;   // int32 prefix[kMaxExperts + 1], total; tma configs: then the tile slots
   size_t sched_bytes;
   size_t bar_offset;     // tma configs: full[stages], then empty[stages] mbarriers
   size_t bar_bytes;      // 0 for the other kinds
@@ -168,7 +176,7 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
   l.scales_offset = l.codes_offset + l.codes_bytes;
   l.stage_bytes = align_up(l.scales_offset + l.scales_bytes, 1024);
   l.sched_offset = l.stage_bytes * c.stages;
-  l.sched_bytes = align_up((kMaxExperts + 2) * sizeof(int32_t), 128);
+  l.sched_bytes = align_up((kMaxExperts + 2 + (c.mma == 3 ? kTmaTileSlots : 0)) * sizeof(int32_t), 128);
   l.bar_offset = l.sched_offset + l.sched_bytes;
   l.bar_bytes = c.mma == 3 ? align_up(static_cast<size_t>(2 * c.stages) * 8, 128) : 0;
   l.rs_offset = l.bar_offset + l.bar_bytes;
@@ -350,7 +358,7 @@ constexpr bool tile_config_well_formed(const TileConfig& c) {
   // registers, compiled with setmaxnreg ignored, C7507, or serialized wgmmas, C7512: bench/NOTES.md.)
   if (c.mma == 3)
     return common && (c.warps == 8 || (c.warps == 16 && c.wm() == 1 && c.bt <= 64 && c.bk == 64 && c.ctas == 0)) &&
-           (c.bt == 32 || c.bt == 64 || c.bt == 128 || c.bt == 256) &&
+           (c.bt == 32 || c.bt == 64 || c.bt == 128 || c.bt == 256) && c.stages <= kTmaTileSlots &&
            (c.bk == 64 || c.bk == 128) && c.wm() * c.bt <= 256 && tma_widths_well_formed(c) &&
            // two CTAs per SM (104 registers per consumer): one m64 tile per warpgroup, up to 64 tokens,
            // 64-wide stages (four A sets)

@@ -199,6 +199,29 @@ TEST(Planner, HandCountedConfig) {
   EXPECT_EQ(p.padding_bytes, 120u);
 }
 
+TEST(Planner, TmaConfigHandCounted) {
+  // tma_bn128_bt256_bk64_s5: act 256*64*2 = 32768, codes 128*64/2 = 4096, scales 128*4 = 512: 37376 ->
+  // 37888 per stage; scheduler (512 + 2 + 16 tile slots) * 4 = 2120 -> 2176; mbarriers 5 * 2 * 8 = 80 ->
+  // 128; row scales 8 warps * 256 * 4 = 8192.
+  const TileConfig c{128, 256, 64, 5, 8, 3};
+  const Sm80SmemPlan p = plan_sm80_smem(c);
+  EXPECT_EQ(p.stage_bytes, 37888u);
+  EXPECT_EQ(p.sched_bytes, 2176u);
+  EXPECT_EQ(p.barrier_bytes, 128u);
+  EXPECT_EQ(p.row_scale_bytes, 8192u);
+  EXPECT_EQ(p.total_bytes, 5u * 37888 + 2176 + 128 + 8192);
+  EXPECT_EQ(p.padding_bytes, 5u * 512 + 56 + 48);
+  // the kernel's own layout (gemm_smem_layout) agrees, and its tile slots fit after the prefix
+  const GemmSmemLayout l = gemm_smem_layout(c);
+  EXPECT_EQ(l.total_bytes, p.total_bytes);
+  EXPECT_LE((kMaxExperts + 2 + kTmaTileSlots) * 4u, l.sched_bytes);
+  bool any_deeper = false;
+  for (const TileConfig& k : kGemmConfigs) any_deeper |= k.mma == 3 && k.stages > kTmaTileSlots;
+  EXPECT_FALSE(any_deeper) << "a tma config has more stages than tile slots";
+  EXPECT_TRUE(tile_config_well_formed(TileConfig{128, 32, 64, 16, 8, 3}));
+  EXPECT_FALSE(tile_config_well_formed(TileConfig{128, 32, 64, 18, 8, 3}));  // more stages than tile slots
+}
+
 TEST(Planner, OverflowOnSm120NamesTheBytes) {
   const Sm80Plan p = plan_sm80(TileConfig{128, 64, 128, 4, 8}, arch_from_name("sm_120"));
   EXPECT_FALSE(p.verdict.valid);

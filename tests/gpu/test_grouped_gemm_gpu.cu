@@ -74,6 +74,10 @@ struct Problem {
   GemmEpilogue epi;
   bool bias = false, row_scale = false, separate_up_scale = false;
   int max_ctas = 0;  // GroupedGemmArgs::max_ctas: few CTAs, many work tiles each
+  // GroupedGemmArgs::tile_counter (tma configs): tiles taken in arrival order. The run is then repeated
+  // twice with the same counter and once without one (static shares); all must be bit-identical, and the
+  // counter zero after each launch.
+  bool claimed = false;
 };
 
 struct HostExpert {
@@ -156,9 +160,23 @@ void run_problem(const Problem& pb, const TileConfig& cfg, uint64_t seed) {
   a.act = d_act.get(); a.expert_offsets = d_off.get(); a.max_rows = max_rows;
   a.row_scale = pb.row_scale ? d_rs.get() : nullptr; a.out = d_out.get(); a.epilogue = pb.epi;
   a.max_ctas = pb.max_ctas;
+  DeviceBuffer<int32_t> d_counter(std::vector<int32_t>{0, 0});
+  if (pb.claimed) a.tile_counter = d_counter.get();
   grouped_gemm_nvfp4(w, a, cfg, nullptr);
   FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
   const auto out = d_out.download();
+  if (pb.claimed) {
+    EXPECT_EQ(d_counter.download(), (std::vector<int32_t>{0, 0})) << cfg.name() << ": the launch left its counter set";
+    for (int again = 0; again < 3; ++again) {
+      FP4MOE_CUDA_CHECK(cudaMemset(d_out.get(), 0xff, d_out.bytes()));
+      a.tile_counter = again < 2 ? d_counter.get() : nullptr;
+      grouped_gemm_nvfp4(w, a, cfg, nullptr);
+      FP4MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(d_out.download() == out) << cfg.name() << (again < 2 ? ": a repeated launch" : ": static shares")
+                                           << " differs from the first launch (bits)";
+      EXPECT_EQ(d_counter.download(), (std::vector<int32_t>{0, 0})) << cfg.name();
+    }
+  }
 
   double err2 = 0, ref2 = 0;
   int64_t unwritten = 0, clobbered = 0;
@@ -382,6 +400,37 @@ TEST(GroupedGemmGpu, TmaConfigsManyTilesPerCta) {
   }
 }
 
+// tma configs taking work tiles in arrival order (GroupedGemmArgs::tile_counter): few CTAs with many
+// tiles each (every tile after the first is claimed), and a full grid with more tiles than CTAs; ragged
+// experts with empty ones and partial tiles, both epilogues, K shorter and longer than the ring.
+// run_problem checks the result against the reference, bit-identity with static shares and repeated
+// launches, and that each launch leaves the counter zero.
+TEST(GroupedGemmGpu, TmaConfigsClaimTilesInArrivalOrder) {
+  REQUIRE_GPU();
+  const ArchInfo arch = arch_from_device(0);
+  int ran = 0;
+  for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
+    const TileConfig cfg = kGemmConfigs[ci];
+    if (cfg.mma != 3 || !plan_sm80(cfg, arch).verdict.valid) continue;
+    SCOPED_TRACE(cfg.name());
+    const std::vector<int> rows = {cfg.bt + 9, 0, 3, 2 * cfg.bt, 0, cfg.bt / 2 + 1, 1};  // 7 token tiles
+    Problem a{3 * cfg.bn - 48, 3 * cfg.bk, rows, GemmEpilogue::kPlain, true, true};
+    a.max_ctas = 2;
+    a.claimed = true;
+    run_problem(a, cfg, 150 + ci);
+    Problem b{2 * cfg.bn, (cfg.stages + 3) * cfg.bk, rows, GemmEpilogue::kSwiGLU};
+    b.max_ctas = 5;
+    b.claimed = true;
+    run_problem(b, cfg, 151 + ci);
+    // a full grid: ~300 tiles (40 experts, ~1.5 token tiles each, 5 feature tiles) for 132 SMs
+    Problem c{4 * cfg.bn + 16, cfg.bk, ragged(40, 2 * cfg.bt, 152 + ci), GemmEpilogue::kPlain, false, true};
+    c.claimed = true;
+    run_problem(c, cfg, 152 + ci);
+    ++ran;
+  }
+  if (ran == 0) GTEST_SKIP() << "no tma config is valid on " << arch.name << " (they need sm_90a)";
+}
+
 TEST(GroupedGemmGpu, RejectsBadArguments) {
   GroupedWeightsView w;
   w.num_experts = 2; w.n = 128; w.k = 96;
@@ -410,6 +459,21 @@ TEST(GroupedGemmGpu, RejectsBadArguments) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("route_entries = 9 must not exceed max_rows = 8"), std::string::npos)
         << e.what();
+  }
+  // A tma config's tile counter must be 8-byte aligned.
+  a.route_ids = nullptr;
+  a.route_entries = 0;
+  a.tile_counter = reinterpret_cast<int32_t*>(uintptr_t{8196});
+  for (const TileConfig& cfg : kGemmConfigs) {
+    if (cfg.mma != 3) continue;
+    try {
+      grouped_gemm_nvfp4(w, a, cfg, nullptr);
+      FAIL() << cfg.name();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tile_counter = 0x2004 must be 8-byte aligned"), std::string::npos)
+          << e.what();
+    }
+    break;
   }
 }
 

@@ -18,6 +18,7 @@
 // - One cp.async pipeline runs across tile boundaries (iteration = (tile, k-step)), so the next tile's
 //   weights stream in while the current tile's epilogue stores from registers.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda.h>  // CUtensorMap
@@ -40,10 +41,15 @@ enum EpilogueKind : int { kEpiPlain = 0, kEpiSwiGLU = 1, kEpiGptOss = 2 };
 // elements [experts * n/16][k/8], activations as bf16 [max_rows][k] with the 128-byte swizzle, one map
 // per token-tile width the kernel picks (box rows bt/4, bt/2, 3bt/4, bt): a tile copies only the rows
 // its wgmma width reads.
+// The tma kernel's producer addresses the maps by their index from `codes`: codes, scales, act[4] in
+// this order, the extra set's from 6.
 struct GroupedGemmTmaMaps {
   CUtensorMap codes, scales, act[4];
   CUtensorMap x_codes, x_scales, x_act[4];
 };
+static_assert(offsetof(GroupedGemmTmaMaps, x_codes) == 6 * sizeof(CUtensorMap) &&
+                  offsetof(GroupedGemmTmaMaps, x_act) == 8 * sizeof(CUtensorMap),
+              "the tma kernel's producer indexes the maps from `codes`");
 
 struct GroupedGemmParams {
   const uint8_t* codes;         // repacked, expert stride n*k/2
@@ -94,6 +100,10 @@ struct GroupedGemmParams {
   // (tma_cut_table, tile_config.hpp).
   TmaCutTable tma_cut;
   GroupedGemmTmaMaps tma;
+  // tma kernel, GroupedGemmArgs::tile_counter: {tiles claimed, CTAs done claiming}, zero at launch and
+  // left zero; a CTA's first tile is its index, every later one is claimed here. Null: tile
+  // blockIdx.x + i * gridDim.x.
+  int32_t* tile_counter;
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

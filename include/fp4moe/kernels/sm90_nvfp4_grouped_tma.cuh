@@ -25,6 +25,14 @@
 //   token tiles are cut differently, where that narrows their widths (TmaTokenTiles below). The plain epilogue's row
 //   scales are copied into shared memory by each consumer warp before the tile's K loop, so the tile
 //   end waits on no global load for them.
+// - Work tiles are taken in arrival order: a CTA's first tile is its index, and its producer claims each
+//   later one from a per-launch counter (GroupedGemmArgs::tile_counter) while the current tile's copies
+//   are issued. With a static share per CTA, the CTAs that started late (behind the predecessor's tail)
+//   or drew slow tiles finished last, ~10 us after the first at decode and ~100 us at prefill (the
+//   layer's kernel timeline, bench/NOTES.md). The producer hands each tile's index to the consumers in
+//   the shared-memory slot of the stage that holds the tile's first K step, written after that stage's
+//   empty barrier and published by the arrive on its full one; -1 there ends the CTA. Each tile is computed whole by one CTA, so results do not depend on who
+//   claimed it. The last CTA to finish claiming zeroes the counter for the next launch.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -198,56 +206,86 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   // scheduler's prefix is built after the split by the first consumer warp; named barrier 1 (the
   // producer's first warp and every consumer warp) publishes it. Registers per thread after the split:
   // tma_producer_regs / tma_consumer_regs (tile_config.hpp).
-  auto tiles_of_cta = [&]() {
-    const int total_tiles = s_prefix[kMaxExperts + 1];
-    return total_tiles > static_cast<int>(blockIdx.x)
-               ? (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1
-               : 0;
-  };
+  // the work tiles' slots (one per stage, kTmaTileSlots int32), after the scheduler's prefix and total
+  constexpr uint32_t kTilesOffset = static_cast<uint32_t>(kL.sched_offset) + (kMaxExperts + 2) * 4;
+  static_assert(STAGES <= kTmaTileSlots, "one tile slot per stage");
 
   if (warp < 4) {
     // ---- producer warpgroup ----
+    // 24 registers (tma_producer_regs): values it can reread (grid size, the counter's address, the
+    // expert count) are read where used, not held across the loop, which spilled.
     setmaxnreg_dec<tma_producer_regs(WARPS)>();
     if (warp != 0) return;
     named_barrier_sync(1, 32 + WARPS * 32);  // the scheduler's prefix is written
     if (tid != 0) return;
-    const int my_tiles = KT > 0 ? tiles_of_cta() : 0;
-    // computed in each role's region: a value carried across the split was spilled
-    const int E = p.num_experts + (p.x_offsets != nullptr ? 1 : 0);
     tma_prefetch_map(&p.tma.codes);
     tma_prefetch_map(&p.tma.scales);
     const uint64_t pol_w = l2_policy_evict_first(), pol_a = l2_policy_evict_last();
     int stage = 0;
     uint32_t phase = 0;
 #pragma unroll 1
-    for (int ti = 0; ti < my_tiles; ++ti) {
-      const WorkTile t =
-          decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E,
-                          TmaTokenTiles<kCfg>{p.tma_cut});
+    // the tile count is reread from shared memory per tile rather than held (the 24 registers)
+    for (int w = static_cast<int>(blockIdx.x); KT > 0 && w < s_prefix[kMaxExperts + 1];) {
+      const WorkTile t = decode_tile<BT>(w, s_prefix, p, p.num_experts + (p.x_offsets != nullptr ? 1 : 0),
+                                         TmaTokenTiles<kCfg>{p.tma_cut});
       // the consumers' width, and the activation map whose box has that many rows
       int wsel = 3;
       tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
       const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
-      const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
-      const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
-      const CUtensorMap* m_act = (t.extra ? p.tma.x_act : p.tma.act) + wsel;
+      // The weight set's maps as indices from p.tma.codes (GroupedGemmTmaMaps order: codes, scales,
+      // act[4], then the extra set's). Their addresses are formed again at each use (uniform registers
+      // from the parameter space's base): held, three 64-bit pointers spilled the producer's 24
+      // registers.
+      const int m_set = t.extra ? 6 : 0;
+      const int m_act = m_set + 2 + wsel;
       const int mrow = (t.extra ? 0 : t.expert * (p.n / 16)) + t.ftile * MT;  // first m-tile row of the map
 #pragma unroll 1
       for (int kt = 0; kt < KT; ++kt) {
         mbar_wait(bar_empty + 8 * stage, phase ^ 1u);  // a fresh barrier passes parity 1 at once
+        // The tile's index into the stage's slot, published by the arrive below (release) to the
+        // consumers' wait on the full barrier (acquire); w then
+        // becomes the next tile's (one variable: the producer's 24 registers). The next tile is claimed a
+        // ring (STAGES stages) before this tile's last copies: late, so the order follows the CTAs'
+        // progress, and early enough that the atomic's round trip (~1 us) passes while the consumers
+        // still have stages to work on.
+        if (kt == 0) {
+          st_shared_s32(smem_base + kTilesOffset + 4 * static_cast<uint32_t>(stage), w);
+          if (p.tile_counter == nullptr) w += static_cast<int>(gridDim.x);
+        }
+        if (p.tile_counter != nullptr && (kt + STAGES == KT || (kt == 0 && KT < STAGES)))
+          w = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
         const uint32_t full = bar_full + 8 * stage;
         mbar_arrive_expect_tx(full, tx);
         const uint32_t st = smem_base + static_cast<uint32_t>(stage) * static_cast<uint32_t>(kL.stage_bytes);
-        tma_load_2d(st + static_cast<uint32_t>(kL.codes_offset), m_codes, kt * BK, mrow, full, pol_w);
-        tma_load_2d(st + static_cast<uint32_t>(kL.scales_offset), m_scales, kt * (BK / 8), mrow, full, pol_w);
+        int set = m_set, act = m_act;
+        asm volatile("" : "+r"(set), "+r"(act));  // opaque: the addresses are not hoisted out of the loop
+        const CUtensorMap* maps = &p.tma.codes;
+        tma_load_2d(st + static_cast<uint32_t>(kL.codes_offset), maps + set, kt * BK, mrow, full, pol_w);
+        tma_load_2d(st + static_cast<uint32_t>(kL.scales_offset), maps + set + 1, kt * (BK / 8), mrow, full, pol_w);
 #pragma unroll
-        for (int c = 0; c < KC; ++c) tma_load_2d(st + c * BT * 128, m_act, kt * BK + c * 64, t.row0, full, pol_a);
+        for (int c = 0; c < KC; ++c) tma_load_2d(st + c * BT * 128, maps + act, kt * BK + c * 64, t.row0, full, pol_a);
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1u;
         }
       }
     }
+    if (p.tile_counter != nullptr) {
+      // This CTA's claims are done (the last one came back >= total). The last CTA to get here knows no
+      // claim can follow and zeroes the counter; the grid's completion publishes that to the next launch
+      // (which reads it only after its griddepcontrol.wait, or in stream order).
+      __threadfence();
+      if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        __threadfence();
+        p.tile_counter[0] = 0;
+        p.tile_counter[1] = 0;
+      }
+    }
+    // The end of this CTA's tiles: -1 in the next stage's slot, behind its full barrier (arrived without
+    // bytes once the consumers have released that stage's last use).
+    mbar_wait(bar_empty + 8 * stage, phase ^ 1u);
+    st_shared_s32(smem_base + kTilesOffset + 4 * static_cast<uint32_t>(stage), -1);
+    mbar_arrive_if(bar_full + 8 * stage, true);
     return;
   }
 
@@ -259,7 +297,6 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     build_expert_prefix(p, E, lane, s_prefix, [&](int rows) { return ((rows + BT - 1) / BT) * ftiles; });
   }
   named_barrier_sync(1, 32 + WARPS * 32);  // the prefix is visible to the producer and every consumer
-  const int my_tiles = KT > 0 ? tiles_of_cta() : 0;
   const int cw = warp - 4;
   float acc[C::WM][C::NT][4];
   int stage = 0;
@@ -274,11 +311,19 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   constexpr bool kStageRs = EPI == kEpiPlain;
   const uint32_t rs_off = static_cast<uint32_t>(kL.rs_offset) + static_cast<uint32_t>(cw * BT * 4);
 #pragma unroll 1
-  for (int ti = 0; ti < my_tiles; ++ti) {
-    const WorkTile t = decode_tile<BT>(static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x), s_prefix, p, E,
-                                       TmaTokenTiles<kCfg>{p.tma_cut});
+  for (;;) {
+    // The tile's first stage (or the end marker) has arrived: its index is in that stage's slot. The K
+    // loop's own wait on this barrier then passes at once.
+    mbar_wait(bar_full + 8 * stage, phase);
+    const int w = reinterpret_cast<const int32_t*>(smem + kTilesOffset)[stage];
+    if (w < 0) break;
+    const WorkTile t = decode_tile<BT>(w, s_prefix, p, E, TmaTokenTiles<kCfg>{p.tma_cut});
+    // Every lane's read of the slot precedes lane 0's release of the stage (its arrive orders only its
+    // own accesses before the producer's next write of the slot); with the plain epilogue it also orders
+    // the last tile's reads of the row-scale buffer before its refill. (Right after the read, or lane 0
+    // reading and shuffling the index, put one config's accumulators on the stack.)
+    __syncwarp();
     if constexpr (kStageRs) {
-      __syncwarp();  // the last tile's reads of the buffer, by every lane, precede its refill
       const bool scaled = !t.extra && p.row_scale != nullptr;
 #pragma unroll
       for (int r = lane; r < BT; r += 32) {

@@ -71,6 +71,12 @@ __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   FP4MOE_SM90_ASM("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// A 32-bit store to shared memory by its shared-window address (no 64-bit generic pointer held: the
+// tma kernel's producer has 24 registers).
+__device__ __forceinline__ void st_shared_s32(uint32_t addr, int32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
 // A named barrier (id 1..15) for `threads` threads, a multiple of 32: a subset of the CTA. The
 // non-aligned barrier.sync: the roles arrive from different call sites, which the aligned bar.sync
 // does not allow (compute-sanitizer synccheck: "divergent thread(s) in block").
