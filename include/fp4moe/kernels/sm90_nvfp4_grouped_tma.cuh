@@ -310,18 +310,27 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   // reads its buffer before it refills it, in program order.
   constexpr bool kStageRs = EPI == kEpiPlain;
   const uint32_t rs_off = static_cast<uint32_t>(kL.rs_offset) + static_cast<uint32_t>(cw * BT * 4);
+  // Static shares (no counter): the consumers know their tiles without the slot. Claimed tiles: the
+  // producer's slot, read after the wait on the tile's first full barrier (or the end marker).
+  const bool claimed = p.tile_counter != nullptr;
+  const int total = KT > 0 ? s_prefix[kMaxExperts + 1] : 0;
 #pragma unroll 1
-  for (;;) {
-    // The tile's first stage (or the end marker) has arrived: its index is in that stage's slot. The K
-    // loop's own wait on this barrier then passes at once.
-    mbar_wait(bar_full + 8 * stage, phase);
-    const int w = reinterpret_cast<const int32_t*>(smem + kTilesOffset)[stage];
+  for (int ti = 0;; ++ti) {
+    int w = static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x);
+    if (claimed) {
+      mbar_wait(bar_full + 8 * stage, phase);  // the K loop's own wait on it then passes at once
+      w = reinterpret_cast<const int32_t*>(smem + kTilesOffset)[stage];
+    } else if (w >= total) {
+      w = -1;
+    }
     if (w < 0) break;
     const WorkTile t = decode_tile<BT>(w, s_prefix, p, E, TmaTokenTiles<kCfg>{p.tma_cut});
-    // Every lane's read of the slot precedes lane 0's release of the stage (its arrive orders only its
-    // own accesses before the producer's next write of the slot); with the plain epilogue it also orders
-    // the last tile's reads of the row-scale buffer before its refill. (Right after the read, or lane 0
-    // reading and shuffling the index, put one config's accumulators on the stack.)
+    // Every lane's read of the slot precedes lane 0's release of the stage, whose arrive orders only its
+    // own accesses before the producer's next write of the slot (bar.warp.sync orders memory among the
+    // warp); with the plain epilogue it also orders the last tile's reads of the row-scale buffer before
+    // its refill. Placed right after the slot read, or as lane 0 reading and shuffling the index, it put
+    // one config's accumulators on the stack. compute-sanitizer's racecheck does not follow this chain
+    // and reports the slot with claimed tiles (bench/NOTES.md); static shares read no slot.
     __syncwarp();
     if constexpr (kStageRs) {
       const bool scaled = !t.extra && p.row_scale != nullptr;
