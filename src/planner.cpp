@@ -130,10 +130,10 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
                             stage_pad ? fmt::format(" (+ {} pad)", stage_pad) : ""),
        p.stage_bytes);
   line("pipeline", fmt::format("stages * stage = {} * {}", c.stages, with_commas(p.stage_bytes)), p.sched_offset);
-  line("scheduler", c.mma == 3 ? fmt::format("(kMaxExperts + 2 + tile slots) * 4 = ({} + 2 + {}) * 4{}", kMaxExperts,
-                                             kTmaTileSlots, sched_pad ? fmt::format(" + {} pad", sched_pad) : "")
-                               : fmt::format("(kMaxExperts + 2) * 4 = ({} + 2) * 4{}", kMaxExperts,
-                                             sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
+  const bool tma = c.mma == 3;
+  line("scheduler", fmt::format("(kMaxExperts + 2{}) * 4 = ({} + 2{}) * 4{}", tma ? " + tile slots" : "", kMaxExperts,
+                                tma ? fmt::format(" + {}", kTmaTileSlots) : "",
+                                sched_pad ? fmt::format(" + {} pad", sched_pad) : ""),
        p.sched_bytes);
   if (c.mma == 3) {
     line("mbarriers", fmt::format("stages * 2 * 8 = {} * 2 * 8 (full + empty per stage){}", c.stages,

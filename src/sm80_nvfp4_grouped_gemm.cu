@@ -259,8 +259,10 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
                    kStreamTraceSlots);
     p.trace = args.trace;
   }
-  if (cfg.mma == 3) p.tile_counter = args.tile_counter;
-  if (cfg.mma == 3) detail::encode_tma_maps(p.tma, cfg, w, args, xw, xa);
+  if (cfg.mma == 3) {
+    p.tile_counter = args.tile_counter;
+    detail::encode_tma_maps(p.tma, cfg, w, args, xw, xa);
+  }
   detail::launch(fn, dim3(grid), dim3(cfg.threads()), info.smem, stream, args.programmatic_launch, p);
 }
 

@@ -144,11 +144,12 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 // (16-byte chunk c of row r at c ^ (r & 7)) are then exactly wgmma's K-major SWIZZLE_128B layout, whose
 // pattern repeats every 1024 bytes. The epilogue stores from registers, so the next tile's loads stay
 // in flight during it (no bytes; the tma configs' row scales are its only shared memory).
-// The tma kernel's work-tile slots, one per stage, after the scheduler's prefix: the producer writes the
-// index of each tile it starts (or -1 at the end) into the slot of the stage that takes the tile's first
-// K step, after that stage's empty barrier and before its arrive on the full one; the consumer warps
-// read it after their wait on that full barrier. The stage's barriers thus order the slot as they order the
-// stage. Up to kTmaTileSlots stages; the slots fit in the scheduler's 128-byte padding.
+// The tma kernel's work-tile slots, one per stage, after the scheduler's prefix (used with claimed tiles,
+// GroupedGemmArgs::tile_counter): the producer writes the index of each tile it starts (or -1 at the
+// end) into the slot of the stage that takes the tile's first K step, after that stage's empty barrier
+// and before its arrive on the full one; the consumer warps read it after their wait on that full
+// barrier. The stage's barriers thus order the slot as they order the stage. Up to kTmaTileSlots
+// stages; the slots fit in the scheduler's 128-byte padding.
 inline constexpr int kTmaTileSlots = 16;
 
 struct GemmSmemLayout {

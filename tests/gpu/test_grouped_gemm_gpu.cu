@@ -363,6 +363,35 @@ TEST(GroupedGemmGpu, TmaConfigsLastTwoTilesCut) {
   if (ran == 0) GTEST_SKIP() << "no tma config with a moved cut is valid on " << arch.name << " (they need sm_90a)";
 }
 
+// f(ci, cfg) for every tma config valid on this GPU, under a SCOPED_TRACE of its name; how many ran.
+template <class F>
+int for_each_valid_tma_config(const ArchInfo& arch, F&& f) {
+  int ran = 0;
+  for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
+    const TileConfig cfg = kGemmConfigs[ci];
+    if (cfg.mma != 3 || !plan_sm80(cfg, arch).verdict.valid) continue;
+    SCOPED_TRACE(cfg.name());
+    f(ci, cfg);
+    ++ran;
+  }
+  return ran;
+}
+
+// Two launches of few CTAs with many work tiles each: 7 token tiles (ragged, empty experts between) x 3
+// feature tiles, K of 3 stages (not dividing the ring), plain epilogue with bias and row scales, on
+// ctas_a CTAs; x 2 feature tiles, K of more stages than the ring holds, SwiGLU, on ctas_b CTAs.
+void run_many_tiles_per_cta(const TileConfig& cfg, int ctas_a, int ctas_b, bool claimed, uint64_t seed) {
+  const std::vector<int> rows = {cfg.bt + 9, 0, 3, 2 * cfg.bt, 0, cfg.bt / 2 + 1, 1};  // 7 token tiles
+  Problem a{3 * cfg.bn - 48, 3 * cfg.bk, rows, GemmEpilogue::kPlain, true, true};     // x 3 feature tiles
+  a.max_ctas = ctas_a;
+  a.claimed = claimed;
+  run_problem(a, cfg, seed);
+  Problem b{2 * cfg.bn, (cfg.stages + 3) * cfg.bk, rows, GemmEpilogue::kSwiGLU};
+  b.max_ctas = ctas_b;
+  b.claimed = claimed;
+  run_problem(b, cfg, seed + 1);
+}
+
 // tma configs with few CTAs, so each runs many work tiles in turn: the stage ring's position and its
 // barriers' phases carry across tiles, which a launch of one tile per CTA never reaches. One CTA (every
 // tile on one SM), two and three; ragged experts with empty ones, K of 3 stages (not dividing the ring)
@@ -370,23 +399,12 @@ TEST(GroupedGemmGpu, TmaConfigsLastTwoTilesCut) {
 TEST(GroupedGemmGpu, TmaConfigsManyTilesPerCta) {
   REQUIRE_GPU();
   const ArchInfo arch = arch_from_device(0);
-  int ran = 0;
-  for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
-    const TileConfig cfg = kGemmConfigs[ci];
-    if (cfg.mma != 3 || !plan_sm80(cfg, arch).verdict.valid) continue;
-    SCOPED_TRACE(cfg.name());
-    const std::vector<int> rows = {cfg.bt + 9, 0, 3, 2 * cfg.bt, 0, cfg.bt / 2 + 1, 1};  // 7 token tiles
-    Problem a{3 * cfg.bn - 48, 3 * cfg.bk, rows, GemmEpilogue::kPlain, true, true};     // x 3 feature tiles
-    a.max_ctas = 1;
-    run_problem(a, cfg, 90 + ci);
-    Problem b{2 * cfg.bn, (cfg.stages + 3) * cfg.bk, rows, GemmEpilogue::kSwiGLU};
-    b.max_ctas = 2;
-    run_problem(b, cfg, 91 + ci);
+  const int ran = for_each_valid_tma_config(arch, [](int ci, const TileConfig& cfg) {
+    run_many_tiles_per_cta(cfg, 1, 2, /*claimed=*/false, 90 + ci);
     Problem c{3 * cfg.bn - 48, 2 * cfg.bk, {1, 2 * cfg.bt + 5, 0, cfg.bt}, GemmEpilogue::kPlain, false, true};
     c.max_ctas = 3;
     run_problem(c, cfg, 92 + ci);
-    ++ran;
-  }
+  });
   if (ran == 0) GTEST_SKIP() << "no tma config is valid on " << arch.name << " (they need sm_90a)";
   // the stream configs refuse it
   try {
@@ -408,26 +426,13 @@ TEST(GroupedGemmGpu, TmaConfigsManyTilesPerCta) {
 TEST(GroupedGemmGpu, TmaConfigsClaimTilesInArrivalOrder) {
   REQUIRE_GPU();
   const ArchInfo arch = arch_from_device(0);
-  int ran = 0;
-  for (int ci = 0; ci < kNumGemmConfigs; ++ci) {
-    const TileConfig cfg = kGemmConfigs[ci];
-    if (cfg.mma != 3 || !plan_sm80(cfg, arch).verdict.valid) continue;
-    SCOPED_TRACE(cfg.name());
-    const std::vector<int> rows = {cfg.bt + 9, 0, 3, 2 * cfg.bt, 0, cfg.bt / 2 + 1, 1};  // 7 token tiles
-    Problem a{3 * cfg.bn - 48, 3 * cfg.bk, rows, GemmEpilogue::kPlain, true, true};
-    a.max_ctas = 2;
-    a.claimed = true;
-    run_problem(a, cfg, 150 + ci);
-    Problem b{2 * cfg.bn, (cfg.stages + 3) * cfg.bk, rows, GemmEpilogue::kSwiGLU};
-    b.max_ctas = 5;
-    b.claimed = true;
-    run_problem(b, cfg, 151 + ci);
+  const int ran = for_each_valid_tma_config(arch, [](int ci, const TileConfig& cfg) {
+    run_many_tiles_per_cta(cfg, 2, 5, /*claimed=*/true, 150 + ci);
     // a full grid: ~300 tiles (40 experts, ~1.5 token tiles each, 5 feature tiles) for 132 SMs
     Problem c{4 * cfg.bn + 16, cfg.bk, ragged(40, 2 * cfg.bt, 152 + ci), GemmEpilogue::kPlain, false, true};
     c.claimed = true;
     run_problem(c, cfg, 152 + ci);
-    ++ran;
-  }
+  });
   if (ran == 0) GTEST_SKIP() << "no tma config is valid on " << arch.name << " (they need sm_90a)";
 }
 

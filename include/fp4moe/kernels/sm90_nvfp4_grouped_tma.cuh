@@ -29,10 +29,12 @@
 //   later one from a per-launch counter (GroupedGemmArgs::tile_counter) while the current tile's copies
 //   are issued. With a static share per CTA, the CTAs that started late (behind the predecessor's tail)
 //   or drew slow tiles finished last, ~10 us after the first at decode and ~100 us at prefill (the
-//   layer's kernel timeline, bench/NOTES.md). The producer hands each tile's index to the consumers in
-//   the shared-memory slot of the stage that holds the tile's first K step, written after that stage's
-//   empty barrier and published by the arrive on its full one; -1 there ends the CTA. Each tile is computed whole by one CTA, so results do not depend on who
-//   claimed it. The last CTA to finish claiming zeroes the counter for the next launch.
+//   layer's kernel timeline, bench/NOTES.md). The producer hands each claimed tile's index to the
+//   consumers in the shared-memory slot of the stage that holds the tile's first K step, written after
+//   that stage's empty barrier and published by the arrive on its full one; -1 there ends the CTA.
+//   Without a counter every role computes its static share and no slot is used. Each tile is computed
+//   whole by one CTA, so results do not depend on who claimed it. The last CTA to finish claiming zeroes
+//   the counter for the next launch.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -242,15 +244,17 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
 #pragma unroll 1
       for (int kt = 0; kt < KT; ++kt) {
         mbar_wait(bar_empty + 8 * stage, phase ^ 1u);  // a fresh barrier passes parity 1 at once
-        // The tile's index into the stage's slot, published by the arrive below (release) to the
-        // consumers' wait on the full barrier (acquire); w then
-        // becomes the next tile's (one variable: the producer's 24 registers). The next tile is claimed a
-        // ring (STAGES stages) before this tile's last copies: late, so the order follows the CTAs'
+        // w becomes the next tile's index during the K loop (one variable: the producer's 24 registers).
+        // Claimed tiles: the current index goes into the stage's slot first, published by the arrive
+        // below (release) to the consumers' wait on the full barrier (acquire); the next tile is claimed
+        // a ring (STAGES stages) before this tile's last copies: late, so the order follows the CTAs'
         // progress, and early enough that the atomic's round trip (~1 us) passes while the consumers
         // still have stages to work on.
         if (kt == 0) {
-          st_shared_s32(smem_base + kTilesOffset + 4 * static_cast<uint32_t>(stage), w);
-          if (p.tile_counter == nullptr) w += static_cast<int>(gridDim.x);
+          if (p.tile_counter != nullptr)
+            st_shared_s32(smem_base + kTilesOffset + 4 * static_cast<uint32_t>(stage), w);
+          else
+            w += static_cast<int>(gridDim.x);
         }
         if (p.tile_counter != nullptr && (kt + STAGES == KT || (kt == 0 && KT < STAGES)))
           w = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
@@ -280,12 +284,12 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
         p.tile_counter[0] = 0;
         p.tile_counter[1] = 0;
       }
+      // The end of this CTA's tiles: -1 in the next stage's slot, behind its full barrier (arrived
+      // without bytes once the consumers have released that stage's last use).
+      mbar_wait(bar_empty + 8 * stage, phase ^ 1u);
+      st_shared_s32(smem_base + kTilesOffset + 4 * static_cast<uint32_t>(stage), -1);
+      mbar_arrive_if(bar_full + 8 * stage, true);
     }
-    // The end of this CTA's tiles: -1 in the next stage's slot, behind its full barrier (arrived without
-    // bytes once the consumers have released that stage's last use).
-    mbar_wait(bar_empty + 8 * stage, phase ^ 1u);
-    st_shared_s32(smem_base + kTilesOffset + 4 * static_cast<uint32_t>(stage), -1);
-    mbar_arrive_if(bar_full + 8 * stage, true);
     return;
   }
 
