@@ -32,6 +32,7 @@
 //   layer's kernel timeline, bench/NOTES.md). The producer hands each claimed tile's index to the
 //   consumers in the shared-memory slot of the stage that holds the tile's first K step, written after
 //   that stage's empty barrier and published by the arrive on its full one; -1 there ends the CTA.
+//   Every consumer lane reads the slot and says so on the stage's empty barrier (kEmptyArrivals).
 //   Without a counter every role computes its static share and no slot is used. Each tile is computed
 //   whole by one CTA, so results do not depend on who claimed it. The last CTA to finish claiming zeroes
 //   the counter for the next launch.
@@ -96,6 +97,17 @@ struct TmaConsumer {
   // A whole stage (KS sets) where registers allow; two m64 tiles per warpgroup double the accumulators,
   // and ptxas serializes the wgmmas (C7512) unless the sets shrink to four.
   static constexpr int NB = WM == 2 ? 4 : KS;
+  // A stage's empty barrier completes a phase with WARPS releases (lane 0 of each consumer warp, after
+  // the stage's wgmmas retired) plus 32 x WARPS arrivals that say the stage's tile slot is free: each
+  // consumer lane's own arrive after it read a claimed tile's index there, or the producer's one arrive
+  // (count 32 x WARPS) for a stage that carries no index. An arrive orders only the arriving thread's
+  // own accesses, so each reading lane releases the slot itself; a __syncwarp before lane 0's release
+  // is enough in the memory model but compute-sanitizer's racecheck does not follow it, and lane 0
+  // reading and shuffling the index put a config's accumulators on the stack (bench/NOTES.md). The K
+  // loop's release stays one predicated arrive: each lane releasing the tile's first stage there instead
+  // cost 1.5-3% at 512-1024 tokens.
+  static constexpr int kSlotArrivals = 32 * WARPS;
+  static constexpr int kEmptyArrivals = WARPS + kSlotArrivals;
 
   // One work tile's K loop with wgmma width N; returns with the accumulators complete (all retired).
   // stage/phase: the ring position, carried across tiles.
@@ -197,7 +209,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
 #pragma unroll 1
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bar_full + 8 * s, 1);          // the producer's arrive (+ transaction bytes)
-      mbar_init(bar_empty + 8 * s, WARPS);     // one arrive per consumer warp
+      mbar_init(bar_empty + 8 * s, C::kEmptyArrivals);  // TmaConsumer::kEmptyArrivals
     }
     mbar_fence_init();
   }
@@ -256,6 +268,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
           else
             w += static_cast<int>(gridDim.x);
         }
+        // a stage without an index: the slot's share of the empty barrier's arrivals, at once
+        mbar_arrive_count_if(bar_empty + 8 * stage, kt != 0 || p.tile_counter == nullptr, C::kSlotArrivals);
         if (p.tile_counter != nullptr && (kt + STAGES == KT || (kt == 0 && KT < STAGES)))
           w = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
         const uint32_t full = bar_full + 8 * stage;
@@ -324,17 +338,14 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     if (claimed) {
       mbar_wait(bar_full + 8 * stage, phase);  // the K loop's own wait on it then passes at once
       w = reinterpret_cast<const int32_t*>(smem + kTilesOffset)[stage];
+      mbar_arrive_if(bar_empty + 8 * stage, true);  // this lane is done with the slot (kEmptyArrivals)
     } else if (w >= total) {
       w = -1;
     }
     if (w < 0) break;
     const WorkTile t = decode_tile<BT>(w, s_prefix, p, E, TmaTokenTiles<kCfg>{p.tma_cut});
-    // Every lane's read of the slot precedes lane 0's release of the stage, whose arrive orders only its
-    // own accesses before the producer's next write of the slot (bar.warp.sync orders memory among the
-    // warp); with the plain epilogue it also orders the last tile's reads of the row-scale buffer before
-    // its refill. Placed right after the slot read, or as lane 0 reading and shuffling the index, it put
-    // one config's accumulators on the stack. compute-sanitizer's racecheck does not follow this chain
-    // and reports the slot with claimed tiles (bench/NOTES.md); static shares read no slot.
+    // With the plain epilogue: every lane's read of the last tile's row scales precedes the refill of the
+    // buffer below.
     __syncwarp();
     if constexpr (kStageRs) {
       const bool scaled = !t.extra && p.row_scale != nullptr;

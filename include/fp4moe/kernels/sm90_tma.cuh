@@ -32,6 +32,17 @@ __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
       "r"(static_cast<uint32_t>(pred))
       : "memory");
 }
+// An arrival of `count` by the threads with pred set (count 1..2^20-1; a predicated instruction, no branch).
+__device__ __forceinline__ void mbar_arrive_count_if(uint32_t bar, bool pred, uint32_t count) {
+  FP4MOE_SM90_ASM(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0], %2;\n"
+      "}\n" ::"r"(bar),
+      "r"(static_cast<uint32_t>(pred)), "r"(count)
+      : "memory");
+}
 // Blocks until the barrier's phase with parity `parity` has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   FP4MOE_SM90_ASM(
