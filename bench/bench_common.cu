@@ -47,12 +47,12 @@ DeviceBuffer<uint8_t>& flush_buffer() {
   return buf;
 }
 
+}  // namespace
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return v.empty() ? 0.0 : v[v.size() / 2];
 }
-
-}  // namespace
 
 void fill_random_bytes(void* p, size_t bytes, uint64_t seed, cudaStream_t s) {
   FP4MOE_REQUIRE(bytes % 4 == 0, "fill_random_bytes: bytes = {} must be a multiple of 4", bytes);

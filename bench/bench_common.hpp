@@ -19,6 +19,10 @@ struct Ceilings {
 };
 Ceilings measure_ceilings(cudaStream_t stream);
 
+// The median of v (the upper of the two middle values for an even count; 0 for none), as every bench
+// table reports it.
+double median(std::vector<double> v);
+
 // Writes a buffer of four times the L2 size, so the next kernel finds nothing of its inputs in L2.
 void flush_l2(cudaStream_t stream);
 

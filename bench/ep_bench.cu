@@ -17,11 +17,6 @@
 namespace fp4moe::bench {
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 std::vector<int32_t> download_i32(const int32_t* p, size_t n) {
   std::vector<int32_t> v(n);
   FP4MOE_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(int32_t), cudaMemcpyDeviceToHost));

@@ -122,11 +122,6 @@ std::string short_name(const std::string& mangled) {
   return last != std::string::npos ? s.substr(last) : s;
 }
 
-double median_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 }  // namespace
 
 std::vector<KernelSpan> graph_kernel_timeline(const std::function<void(cudaStream_t)>& record, cudaStream_t stream,
@@ -165,7 +160,7 @@ std::vector<KernelSpan> graph_kernel_timeline(const std::function<void(cudaStrea
       st.push_back(static_cast<double>(run[i].start - run[0].start) * 1e-3);
       en.push_back(static_cast<double>(run[i].end - run[0].start) * 1e-3);
     }
-    out.push_back({short_name(runs[0][i].name), median_of(st), median_of(en), runs[0][i].grid, runs[0][i].block});
+    out.push_back({short_name(runs[0][i].name), median(st), median(en), runs[0][i].grid, runs[0][i].block});
   }
   return out;
 }

@@ -14,14 +14,6 @@
 #include "kernel_timeline.hpp"
 
 namespace fp4moe::bench {
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-}  // namespace
 
 void run_layer_bench(const MoeConfig& cfg, const LayerBenchOptions& opt, const Ceilings& c, cudaStream_t s,
                      nlohmann::json& out) {

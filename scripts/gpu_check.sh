@@ -55,10 +55,11 @@ if [ -z "${FP4MOE_COMMIT:-}" ]; then
 fi
 export FP4MOE_COMMIT
 
-# Every GEMM config (both epilogues, ragged experts with empty ones), the gpt-oss epilogue, the
+# Every GEMM config (both epilogues, ragged experts with empty ones), the tma kernel's claimed and
+# static work tiles (many per CTA, the cut last two token tiles), the gpt-oss epilogue, the
 # layer's routing, permutation, combine and quantizer kernels, and two small whole layers: a few
 # minutes under each compute-sanitizer tool on an H200.
-SANITIZE_FILTER=${SANITIZE_FILTER:-"GroupedGemmGpu.EveryConfigBothEpiloguesRaggedExperts:GroupedGemmGpu.GptOssEpilogueWithBiasesAndSeparateUpScale:MoeRoutingGpu.*:MoePermuteGpu.*:MoeSmallPathsGpu.*:QuantizeGpu.*:MoeLayerGpu.TinyPresetMatchesReference:MoeLayerGpu.AllTokensOnOneExpertAndEmptyExperts"}
+SANITIZE_FILTER=${SANITIZE_FILTER:-"GroupedGemmGpu.EveryConfigBothEpiloguesRaggedExperts:GroupedGemmGpu.TmaConfigsClaimTilesInArrivalOrder:GroupedGemmGpu.TmaConfigsManyTilesPerCta:GroupedGemmGpu.TmaConfigsLastTwoTilesCut:GroupedGemmGpu.GptOssEpilogueWithBiasesAndSeparateUpScale:MoeRoutingGpu.*:MoePermuteGpu.*:MoeSmallPathsGpu.*:QuantizeGpu.*:MoeLayerGpu.TinyPresetMatchesReference:MoeLayerGpu.AllTokensOnOneExpertAndEmptyExperts"}
 SANITIZE_TOOLS=${SANITIZE_TOOLS:-"memcheck racecheck synccheck initcheck"}
 
 summary=()   # "step|status|seconds|files|detail"
@@ -136,7 +137,9 @@ for s in "${steps[@]}"; do
           "$B/fp4moe_gpu_tests" --gtest_brief=1 --gtest_filter="$SANITIZE_FILTER" \
           --gtest_output="json:$OUT/sanitize-$tool.json" > "$OUT/sanitize-$tool.log" 2>&1
         rc=$?
-        errors=$(grep -Eo "ERROR SUMMARY: [0-9]+ error" "$OUT/sanitize-$tool.log" | tail -1 | grep -Eo "[0-9]+" || echo "?")
+        # racecheck prints its errors inside its own summary line: "RACECHECK SUMMARY: 0 hazards displayed (0 errors, ...)"
+        errors=$(grep -Eo "ERROR SUMMARY: [0-9]+ error|hazards displayed \([0-9]+ error" "$OUT/sanitize-$tool.log" | tail -1 |
+          grep -Eo "[0-9]+ error" | grep -Eo "[0-9]+" || echo "?")
         hazards=$(grep -Eo "RACECHECK SUMMARY: [0-9]+ hazard" "$OUT/sanitize-$tool.log" | tail -1 | grep -Eo "[0-9]+" || true)
         read -r p f k <<< "$(gtest_counts "$OUT/sanitize-$tool.json")"
         record "sanitize $tool" "$([ $rc -eq 0 ] && echo ok || echo "FAILED (rc $rc)")" $((SECONDS - t1)) \
