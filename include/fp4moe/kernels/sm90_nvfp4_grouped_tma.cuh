@@ -108,6 +108,7 @@ struct TmaConsumer {
   // cost 1.5-3% at 512-1024 tokens.
   static constexpr int kSlotArrivals = 32 * WARPS;
   static constexpr int kEmptyArrivals = WARPS + kSlotArrivals;
+  static_assert(kEmptyArrivals < (1 << 20), "an mbarrier's expected arrival count is below 2^20");
 
   // One work tile's K loop with wgmma width N; returns with the accumulators complete (all retired).
   // stage/phase: the ring position, carried across tiles.
