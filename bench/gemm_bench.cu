@@ -145,10 +145,8 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
     row_scale.upload(rs);
   }
   DeviceBuffer<int32_t> d_off(E + 1);
-  // GEMM1's and GEMM2's tile counters, as the layer gives them (GroupedGemmArgs::tile_counter), 128 bytes
-  // apart so their atomics do not share a line
-  constexpr int kCounterStride = 32;
-  DeviceBuffer<int32_t> counters(2 * kCounterStride);
+  // GEMM1's and GEMM2's tile counters, as the layer gives them (GroupedGemmArgs::tile_counter)
+  DeviceBuffer<int32_t> counters(2 * kTileCounterStride);
   FP4MOE_CUDA_CHECK(cudaMemsetAsync(counters.get(), 0, counters.bytes(), stream));
 
   // bf16 baseline weights: the same shapes, bf16, [gate; up] rows for GEMM1
@@ -187,7 +185,7 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
     a2.act = act.get(); a2.expert_offsets = d_off.get(); a2.max_rows = T * cfg.top_k; a2.out = y2.get();
     a2.row_scale = row_scale.get(); a2.epilogue = GemmEpilogue::kPlain;
     a1.tile_counter = counters.get();
-    a2.tile_counter = counters.get() + kCounterStride;
+    a2.tile_counter = counters.get() + kTileCounterStride;
     auto time_pair = [&](const TileConfig& c1, const TileConfig& c2) {
       auto fp4 = [&](cudaStream_t s) {
         grouped_gemm_nvfp4(w1.view, a1, c1, s);

@@ -23,11 +23,10 @@ OwnedDeviceBuffer copy_to_owned(const void* src, size_t bytes, cudaStream_t stre
 void pad_copy_device(const PadCopy& c, const void* src, void* dst, cudaStream_t stream);
 
 // The tile counters of the layer's four GEMM launches (GroupedGemmArgs::tile_counter): routed GEMM1, the
-// shared expert's own GEMM1, routed GEMM2, the shared GEMM2; 128 bytes apart so their atomics do not share
-// a line. Owned by the layer and zeroed once here (each launch leaves its counter zero), because the
-// caller's workspace arrives uninitialized.
+// shared expert's own GEMM1, routed GEMM2, the shared GEMM2; kTileCounterStride (grouped_gemm.hpp) apart.
+// Owned by the layer and zeroed once here (each launch leaves its counter zero), because the caller's
+// workspace arrives uninitialized.
 inline constexpr int kLayerTileCounters = 4;
-inline constexpr int kTileCounterStride = 32;  // int32
 OwnedDeviceBuffer make_tile_counters(cudaStream_t stream);
 
 // One grouped GEMM's weights repacked into memory the layer owns, and the view the kernel reads.

@@ -87,6 +87,10 @@ struct GroupedGemmArgs {
   int32_t* tile_counter = nullptr;
 };
 
+// int32s between the tile counters of launches that share one buffer (the layer's four, the GEMM bench's
+// two): 128 bytes, so their atomics never share a cache line.
+inline constexpr int kTileCounterStride = 32;
+
 // Values a stream-config launch writes to GroupedGemmArgs::trace on this GPU (0 for other configs).
 size_t grouped_gemm_trace_values(const TileConfig& cfg, GemmEpilogue epilogue, int64_t k);
 

@@ -345,10 +345,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     }
     if (w < 0) break;
     const WorkTile t = decode_tile<BT>(w, s_prefix, p, E, TmaTokenTiles<kCfg>{p.tma_cut});
-    // With the plain epilogue: every lane's read of the last tile's row scales precedes the refill of the
-    // buffer below.
-    __syncwarp();
     if constexpr (kStageRs) {
+      __syncwarp();  // the last tile's reads of the buffer, by every lane, precede its refill
       const bool scaled = !t.extra && p.row_scale != nullptr;
 #pragma unroll
       for (int r = lane; r < BT; r += 32) {
