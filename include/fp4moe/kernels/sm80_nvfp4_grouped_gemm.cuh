@@ -206,10 +206,17 @@ __device__ __forceinline__ int find_expert(int64_t w, const int32_t* prefix, int
 // Shared by every kernel of the family so they round identically. The plain epilogue's row scales come
 // from global memory, RS_BATCH n-tiles at a time, or with RS_BATCH == 0 from rs_smem[r] for the tile's
 // row r (the tma kernel stages them in shared memory: 1.0 where the launch has none).
-template <int NT, int EPI, int RS_BATCH = 4>
+// FLAT (the tma kernel's wide token tiles; the plain epilogue with RS_BATCH == 0): n-tiles are taken in
+// fours, and every value of a live four is computed whatever its row (rows past the tile hold sums of
+// other rows or of nothing, and rs_smem holds 1.0 there); only the store is predicated on the row.
+// Guarding each row's whole computation made every store a branch of its own, with its row-scale load
+// inside, so a warp ran its 2 x NT stores as one dependent chain after another while the tensor pipe
+// idled (bench/NOTES.md, tenth session). The values and their rounding are the same either way.
+template <int NT, int EPI, int RS_BATCH = 4, bool FLAT = false>
 __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, bool xs, int mt, int row0, int rows,
                                             int valid_nt, const float (&acc)[NT][4],
                                             const float* rs_smem = nullptr) {
+  static_assert(!FLAT || RS_BATCH == 0 || EPI != kEpiPlain, "the flat epilogue reads row scales from shared memory");
   if (mt >= p.n / 16) return;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -230,34 +237,48 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
     // tensor pipe idled (13-16% of GLM-5's GEMMs at T = 1024..4096, bench/NOTES.md). From shared memory
     // (RS_BATCH == 0) there is no round trip to batch.
     constexpr int G = RS_BATCH == 0 ? NT : NT < RS_BATCH ? NT : RS_BATCH;
+    if constexpr (FLAT) {
+      __nv_bfloat16* o = out + static_cast<int64_t>(row0 + 2 * t4) * p.n + f;
 #pragma unroll
-    for (int nt0 = 0; nt0 < NT; nt0 += G) {
-      [[maybe_unused]] float rsv[RS_BATCH > 0 ? G : 1][2];
-      if constexpr (RS_BATCH > 0) {
-#pragma unroll
-        for (int j = 0; j < G; ++j)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            rsv[j][h] = row_scale != nullptr && rows > 0
-                            ? __ldg(row_scale + row0 + min((nt0 + j) * 8 + 2 * t4 + h, rows - 1))
-                            : 1.0f;
+      for (int nt = 0; nt < NT; ++nt) {
+        if (nt % 4 == 0 && nt >= valid_nt) break;  // uniform; in fours, so that loads run ahead of use
+        const float2 rs = *reinterpret_cast<const float2*>(rs_smem + nt * 8 + 2 * t4);  // rows r, r + 1
+        const int r = nt * 8 + 2 * t4;
+        const __nv_bfloat162 s0 = __floats2bfloat162_rn((acc[nt][0] * gs + b0) * rs.x, (acc[nt][2] * gs + b1) * rs.x);
+        const __nv_bfloat162 s1 = __floats2bfloat162_rn((acc[nt][1] * gs + b0) * rs.y, (acc[nt][3] * gs + b1) * rs.y);
+        if (r < rows) *reinterpret_cast<__nv_bfloat162*>(o + static_cast<int64_t>(nt * 8) * p.n) = s0;
+        if (r + 1 < rows) *reinterpret_cast<__nv_bfloat162*>(o + static_cast<int64_t>(nt * 8 + 1) * p.n) = s1;
       }
+    } else {
 #pragma unroll
-      for (int j = 0; j < G; ++j) {
-        const int nt = nt0 + j;
-        if (nt < valid_nt) {
+      for (int nt0 = 0; nt0 < NT; nt0 += G) {
+        [[maybe_unused]] float rsv[RS_BATCH > 0 ? G : 1][2];
+        if constexpr (RS_BATCH > 0) {
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = nt * 8 + 2 * t4 + h;
-            if (r < rows) {
-              const int row = row0 + r;
-              float rs;
-              if constexpr (RS_BATCH == 0) rs = rs_smem[r];
-              else rs = rsv[j][h];
-              const float v0 = (acc[nt][h] * gs + b0) * rs;
-              const float v1 = (acc[nt][2 + h] * gs + b1) * rs;
-              *reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * p.n + f) =
-                  __floats2bfloat162_rn(v0, v1);
+          for (int j = 0; j < G; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              rsv[j][h] = row_scale != nullptr && rows > 0
+                              ? __ldg(row_scale + row0 + min((nt0 + j) * 8 + 2 * t4 + h, rows - 1))
+                              : 1.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          const int nt = nt0 + j;
+          if (nt < valid_nt) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int r = nt * 8 + 2 * t4 + h;
+              if (r < rows) {
+                const int row = row0 + r;
+                float rs;
+                if constexpr (RS_BATCH == 0) rs = rs_smem[r];
+                else rs = rsv[j][h];
+                const float v0 = (acc[nt][h] * gs + b0) * rs;
+                const float v1 = (acc[nt][2 + h] * gs + b1) * rs;
+                *reinterpret_cast<__nv_bfloat162*>(out + static_cast<int64_t>(row) * p.n + f) =
+                    __floats2bfloat162_rn(v0, v1);
+              }
             }
           }
         }
@@ -273,18 +294,33 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
       bg = __ldg(bias + jn);
       bu = __ldg(bias + half + jn);
     }
+    if constexpr (FLAT) {
+      __nv_bfloat16* o = out + static_cast<int64_t>(row0 + 2 * t4) * half + jn;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (nt < valid_nt) {
+      for (int nt = 0; nt < NT; ++nt) {
+        if (nt % 4 == 0 && nt >= valid_nt) break;  // uniform; in fours, so that loads run ahead of use
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int r = nt * 8 + 2 * t4 + h;
-          if (r < rows) {
-            const int row = row0 + r;
-            const float gate = acc[nt][h] * gs + bg;
-            const float up = acc[nt][2 + h] * gs_up + bu;
-            const float v = EPI == kEpiSwiGLU ? swiglu_act(gate, up) : gptoss_swiglu_act(gate, up, p.alpha, p.limit);
-            out[static_cast<int64_t>(row) * half + jn] = __float2bfloat16_rn(v);
+          const float gate = acc[nt][h] * gs + bg;
+          const float up = acc[nt][2 + h] * gs_up + bu;
+          const float v = EPI == kEpiSwiGLU ? swiglu_act(gate, up) : gptoss_swiglu_act(gate, up, p.alpha, p.limit);
+          if (nt * 8 + 2 * t4 + h < rows) o[static_cast<int64_t>(nt * 8 + h) * half] = __float2bfloat16_rn(v);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (nt < valid_nt) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = nt * 8 + 2 * t4 + h;
+            if (r < rows) {
+              const int row = row0 + r;
+              const float gate = acc[nt][h] * gs + bg;
+              const float up = acc[nt][2 + h] * gs_up + bu;
+              const float v = EPI == kEpiSwiGLU ? swiglu_act(gate, up) : gptoss_swiglu_act(gate, up, p.alpha, p.limit);
+              out[static_cast<int64_t>(row) * half + jn] = __float2bfloat16_rn(v);
+            }
           }
         }
       }

@@ -328,6 +328,12 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   // tile end, which cost up to 7% where the dequantization bounds the K loop (GLM-5 T = 1024). The warp
   // reads its buffer before it refills it, in program order.
   constexpr bool kStageRs = EPI == kEpiPlain;
+  // The wide token tiles (prefill) end with up to 2 x bt / 8 stores per m-tile and lane while the tensor
+  // pipe idles: their epilogue is the flat one (store_mtile), its scalars prefetched into L1 at the tile
+  // start. Measured on the H200 against the guarded form: GEMMs at T = 4096 -2 to -6%, layer -3 to -5%
+  // (bench/NOTES.md, tenth session). The narrow tiles (T <= 2048) keep the guarded form: there the flat
+  // one computed n-tiles past the tile's rows and ran level to 1% slower.
+  constexpr bool kFlatEpilogue = BT >= 128;
   const uint32_t rs_off = static_cast<uint32_t>(kL.rs_offset) + static_cast<uint32_t>(cw * BT * 4);
   // Static shares (no counter): the consumers know their tiles without the slot. Claimed tiles: the
   // producer's slot, read after the wait on the tile's first full barrier (or the end marker).
@@ -353,9 +359,32 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
         if (scaled && r < t.rows)
           cp_async4(smem_base + rs_off + 4 * r, p.row_scale + t.row0 + r);
         else
-          reinterpret_cast<float*>(smem + rs_off)[r] = 1.0f;  // rows past the tile are never read
+          reinterpret_cast<float*>(smem + rs_off)[r] = 1.0f;  // rows past the tile: read, never stored
       }
       cp_async_commit();
+    }
+    if (kFlatEpilogue && lane == 0) {
+      // The epilogue's per-expert scalars into L1 now: loaded at the tile end, they were an L2 round trip
+      // (under the K loop's TMA traffic) before its first value, with the tensor pipe idle.
+      prefetch_l1(t.extra ? p.x_global_scale : p.global_scale + t.expert);
+      const float* gup = t.extra ? p.x_global_scale_up
+                                 : (p.global_scale_up != nullptr ? p.global_scale_up + t.expert : nullptr);
+      if (gup != nullptr) prefetch_l1(gup);
+      const float* bias =
+          t.extra ? p.x_bias : (p.bias != nullptr ? p.bias + static_cast<int64_t>(t.expert) * p.n : nullptr);
+      if (bias != nullptr) {
+#pragma unroll
+        for (int i = 0; i < C::WM; ++i) {
+          const int mt = t.ftile * MT + ((cw >> 2) * C::WM + i) * 4 + (cw & 3);  // as the epilogue's m-tile
+          if (mt >= p.n / 16) {  // past N: no m-tile (the epilogue skips it)
+          } else if (EPI == kEpiPlain) {
+            prefetch_l1(bias + mt * 16);
+          } else {
+            prefetch_l1(bias + mt * 8);
+            prefetch_l1(bias + p.n / 2 + mt * 8);
+          }
+        }
+      }
     }
     tma_with_width<kCfg>(t.rows, [&](auto width) {  // uniform over the CTA
       C::template mainloop<decltype(width)::value>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase);
@@ -369,8 +398,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     const int wg = cw >> 2, wq = cw & 3;
 #pragma unroll
     for (int i = 0; i < C::WM; ++i)
-      store_mtile<C::NT, EPI, kStageRs ? 0 : 4>(p, t.expert, t.extra, t.ftile * MT + (wg * C::WM + i) * 4 + wq,
-                                                t.row0, t.rows, valid_nt, acc[i], s_rs);
+      store_mtile<C::NT, EPI, kStageRs ? 0 : 4, kFlatEpilogue>(
+          p, t.expert, t.extra, t.ftile * MT + (wg * C::WM + i) * 4 + wq, t.row0, t.rows, valid_nt, acc[i], s_rs);
   }
 #else
   __trap();  // TMA + wgmma + setmaxnreg: sm_90a only; the launcher refuses these configs elsewhere

@@ -78,6 +78,10 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
       : "memory");
 }
+// A line of global memory into L1 (no register, no wait): for values read much later.
+__device__ __forceinline__ void prefetch_l1(const void* ptr) {
+  FP4MOE_SM90_ASM("prefetch.global.L1 [%0];\n" ::"l"(reinterpret_cast<uint64_t>(ptr)) : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   FP4MOE_SM90_ASM("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
