@@ -330,9 +330,9 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   constexpr bool kStageRs = EPI == kEpiPlain;
   // The wide token tiles (prefill) end with up to 2 x bt / 8 stores per m-tile and lane while the tensor
   // pipe idles: their epilogue is the flat one (store_mtile), its scalars prefetched into L1 at the tile
-  // start. Measured on the H200 against the guarded form: GEMMs at T = 4096 -2 to -6%, layer -3 to -5%
-  // (bench/NOTES.md, tenth session). The narrow tiles (T <= 2048) keep the guarded form: there the flat
-  // one computed n-tiles past the tile's rows and ran level to 1% slower.
+  // start. Measured on the H200 against the guarded form: GEMMs at T = 4096 -1.4 to -8.7%, layer -0.7 to
+  // -5.4% (bench/NOTES.md, tenth session). The narrow tiles keep the guarded form: there the flat one
+  // computed n-tiles past the tile's rows and ran level to 1% slower.
   constexpr bool kFlatEpilogue = BT >= 128;
   const uint32_t rs_off = static_cast<uint32_t>(kL.rs_offset) + static_cast<uint32_t>(cw * BT * 4);
   // Static shares (no counter): the consumers know their tiles without the slot. Claimed tiles: the
@@ -376,12 +376,13 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
 #pragma unroll
         for (int i = 0; i < C::WM; ++i) {
           const int mt = t.ftile * MT + ((cw >> 2) * C::WM + i) * 4 + (cw & 3);  // as the epilogue's m-tile
-          if (mt >= p.n / 16) {  // past N: no m-tile (the epilogue skips it)
-          } else if (EPI == kEpiPlain) {
-            prefetch_l1(bias + mt * 16);
-          } else {
-            prefetch_l1(bias + mt * 8);
-            prefetch_l1(bias + p.n / 2 + mt * 8);
+          if (mt < p.n / 16) {  // past N there is no m-tile (the epilogue skips it)
+            if (EPI == kEpiPlain) {
+              prefetch_l1(bias + mt * 16);
+            } else {
+              prefetch_l1(bias + mt * 8);
+              prefetch_l1(bias + p.n / 2 + mt * 8);
+            }
           }
         }
       }
