@@ -338,6 +338,9 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   // Static shares (no counter): the consumers know their tiles without the slot. Claimed tiles: the
   // producer's slot, read after the wait on the tile's first full barrier (or the end marker).
   const bool claimed = p.tile_counter != nullptr;
+  // This warp's m-tile i of a work tile (within the expert's N): warpgroup cw / 4 holds WM m64 tiles, the
+  // warp the (cw % 4)-th m16 of each.
+  auto mtile_of = [&](const WorkTile& t, int i) { return t.ftile * MT + ((cw >> 2) * C::WM + i) * 4 + (cw & 3); };
   const int total = KT > 0 ? s_prefix[kMaxExperts + 1] : 0;
 #pragma unroll 1
   for (int ti = 0;; ++ti) {
@@ -365,7 +368,9 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     }
     if (kFlatEpilogue && lane == 0) {
       // The epilogue's per-expert scalars into L1 now: loaded at the tile end, they were an L2 round trip
-      // (under the K loop's TMA traffic) before its first value, with the tensor pipe idle.
+      // (under the K loop's TMA traffic) before its first value, with the tensor pipe idle. The pointers
+      // are store_mtile's own choices, repeated here: routing store_mtile through a shared helper changed
+      // the stream kernel's SASS, which no GPU has measured (bench/NOTES.md, tenth session).
       prefetch_l1(t.extra ? p.x_global_scale : p.global_scale + t.expert);
       const float* gup = t.extra ? p.x_global_scale_up
                                  : (p.global_scale_up != nullptr ? p.global_scale_up + t.expert : nullptr);
@@ -375,7 +380,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       if (bias != nullptr) {
 #pragma unroll
         for (int i = 0; i < C::WM; ++i) {
-          const int mt = t.ftile * MT + ((cw >> 2) * C::WM + i) * 4 + (cw & 3);  // as the epilogue's m-tile
+          const int mt = mtile_of(t, i);
           if (mt < p.n / 16) {  // past N there is no m-tile (the epilogue skips it)
             if (EPI == kEpiPlain) {
               prefetch_l1(bias + mt * 16);
@@ -396,11 +401,10 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       __syncwarp();  // every lane's copies are visible to the warp
     }
     const int valid_nt = (t.rows + 7) >> 3;
-    const int wg = cw >> 2, wq = cw & 3;
 #pragma unroll
     for (int i = 0; i < C::WM; ++i)
-      store_mtile<C::NT, EPI, kStageRs ? 0 : 4, kFlatEpilogue>(
-          p, t.expert, t.extra, t.ftile * MT + (wg * C::WM + i) * 4 + wq, t.row0, t.rows, valid_nt, acc[i], s_rs);
+      store_mtile<C::NT, EPI, kStageRs ? 0 : 4, kFlatEpilogue>(p, t.expert, t.extra, mtile_of(t, i), t.row0, t.rows,
+                                                               valid_nt, acc[i], s_rs);
   }
 #else
   __trap();  // TMA + wgmma + setmaxnreg: sm_90a only; the launcher refuses these configs elsewhere
