@@ -98,7 +98,7 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
   p.stage_bytes = parts + stage_pad;
   p.sched_offset = p.stage_bytes * static_cast<size_t>(c.stages);
   // Scheduler: tile prefix of every expert slot 0..kMaxExperts plus the total, int32 each; tma configs
-  // add the work-tile slots through which the producer hands tiles to the consumers (kTmaTileSlots int32).
+  // reserve kTmaTileSlots int32 for the ring through which the producer hands claimed tiles to the consumers.
   const size_t slots = c.mma == 3 ? static_cast<size_t>(kTmaTileSlots) * 4 : 0;
   const size_t sched = (static_cast<size_t>(kMaxExperts) + 1) * 4 + 4 + slots;
   const size_t sched_pad = pad_to(sched, 128);

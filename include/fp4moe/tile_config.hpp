@@ -136,7 +136,7 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 // Shared memory of the sm80-nvfp4-grouped kernel, byte for byte as the kernel carves it:
 //   [stage 0 .. stages-1] each = activations | codes | scales, padded to 1024 bytes
 //   [scheduler] (kMaxExperts + 1) int32 tile prefix + 1 int32 total; tma configs: + kTmaTileSlots int32
-//               work-tile slots; 128-byte aligned
+//               reserved for the claimed tiles' ring (TmaTileRing); 128-byte aligned
 //   [barriers]  tma configs only: a "full" and an "empty" mbarrier (8 B each) per stage, 128-byte aligned
 //   [row scales] tma configs only: bt floats per consumer warp (the tile's routing weights, copied by
 //               each warp for its own epilogue), 128-byte aligned
@@ -144,13 +144,27 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 // (16-byte chunk c of row r at c ^ (r & 7)) are then exactly wgmma's K-major SWIZZLE_128B layout, whose
 // pattern repeats every 1024 bytes. The epilogue stores from registers, so the next tile's loads stay
 // in flight during it (no bytes; the tma configs' row scales are its only shared memory).
-// The tma kernel's work-tile slots, one per stage, after the scheduler's prefix (used with claimed tiles,
-// GroupedGemmArgs::tile_counter): the producer writes the index of each tile it starts (or -1 at the
-// end) into the slot of the stage that takes the tile's first K step, after that stage's empty barrier
-// and before its arrive on the full one; the consumer warps read it after their wait on that full
-// barrier. The stage's barriers thus order the slot as they order the stage. Up to kTmaTileSlots
-// stages; the slots fit in the scheduler's 128-byte padding.
+// The tma kernel's handoff of claimed work tiles (GroupedGemmArgs::tile_counter), in kTmaTileSlots int32
+// reserved after the scheduler's prefix and total (they fit in its 128-byte padding): a ring of kSlots
+// tile indices with a "full" and an "empty" mbarrier each. The producer writes the index of each tile it
+// is about to fill (or -1 at the end) into slot ti % kSlots once the consumers freed it, and arrives on
+// its full barrier; every consumer lane waits there at the tile start, reads the index and arrives on
+// the empty one (32 x warps arrivals: each lane releases its own read). The ring is apart from the
+// stages' barriers so the producer's per-stage path is the static shares' (bench/NOTES.md, twelfth
+// session); two slots let the producer run up to two tiles ahead, more than a ring of stages wherever a
+// tile has at least `stages` K steps.
 inline constexpr int kTmaTileSlots = 16;
+struct TmaTileRing {
+  static constexpr int kSlots = 2;                                      // a power of two
+  static constexpr size_t kOffset = (kMaxExperts + 2) * sizeof(int32_t);  // from the scheduler's start
+  static constexpr uint32_t kFullOffset = 8;                            // from the slots: full[kSlots]
+  static constexpr uint32_t kEmptyOffset = kFullOffset + 8 * kSlots;     // then empty[kSlots]
+  static constexpr uint32_t kBytes = kEmptyOffset + 8 * kSlots;
+};
+static_assert((TmaTileRing::kSlots & (TmaTileRing::kSlots - 1)) == 0, "the ring's slot is ti & (kSlots - 1)");
+static_assert(TmaTileRing::kSlots * sizeof(int32_t) <= TmaTileRing::kFullOffset, "the indices precede the barriers");
+static_assert(TmaTileRing::kOffset % 8 == 0, "mbarriers are 8-byte aligned (the scheduler starts 1024-aligned)");
+static_assert(TmaTileRing::kBytes <= kTmaTileSlots * sizeof(int32_t), "the ring fits in the reserved tile slots");
 
 struct GemmSmemLayout {
   size_t act_bytes;      // per stage: bt x bk x 2 B (bf16), [bk/64 slabs][bt rows][128 B]
@@ -359,7 +373,7 @@ constexpr bool tile_config_well_formed(const TileConfig& c) {
   // registers, compiled with setmaxnreg ignored, C7507, or serialized wgmmas, C7512: bench/NOTES.md.)
   if (c.mma == 3)
     return common && (c.warps == 8 || (c.warps == 16 && c.wm() == 1 && c.bt <= 64 && c.bk == 64 && c.ctas == 0)) &&
-           (c.bt == 32 || c.bt == 64 || c.bt == 128 || c.bt == 256) && c.stages <= kTmaTileSlots &&
+           (c.bt == 32 || c.bt == 64 || c.bt == 128 || c.bt == 256) &&
            (c.bk == 64 || c.bk == 128) && c.wm() * c.bt <= 256 && tma_widths_well_formed(c) &&
            // two CTAs per SM (104 registers per consumer): one m64 tile per warpgroup, up to 64 tokens,
            // 64-wide stages (four A sets)

@@ -25,17 +25,17 @@
 //   token tiles are cut differently, where that narrows their widths (TmaTokenTiles below). The plain epilogue's row
 //   scales are copied into shared memory by each consumer warp before the tile's K loop, so the tile
 //   end waits on no global load for them.
-// - Work tiles are taken in arrival order: a CTA's first tile is its index, and its producer claims each
-//   later one from a per-launch counter (GroupedGemmArgs::tile_counter) while the current tile's copies
-//   are issued. With a static share per CTA, the CTAs that started late (behind the predecessor's tail)
-//   or drew slow tiles finished last, ~10 us after the first at decode and ~100 us at prefill (the
-//   layer's kernel timeline, bench/NOTES.md). The producer hands each claimed tile's index to the
-//   consumers in the shared-memory slot of the stage that holds the tile's first K step, written after
-//   that stage's empty barrier and published by the arrive on its full one; -1 there ends the CTA.
-//   Every consumer lane reads the slot and says so on the stage's empty barrier (kEmptyArrivals).
-//   Without a counter every role computes its static share and no slot is used. Each tile is computed
-//   whole by one CTA, so results do not depend on who claimed it. The last CTA to finish claiming zeroes
-//   the counter for the next launch.
+// - Work tiles are taken in arrival order where the caller passes a counter (GroupedGemmArgs::tile_counter;
+//   the layer always does): a CTA's first tile is its index, and its producer claims each later one with
+//   an atomicAdd as it starts the tile before (the round trip passes under that tile's K loop). With
+//   static shares the CTAs that started late or drew slow tiles finished last, and at prefill whole SMs
+//   idled at the end (bench/NOTES.md, eighth session). The producer hands each index to the consumers
+//   through a two-slot ring of its own (TmaTileRing, tile_config.hpp), not through the stages: when the
+//   index rode in the slot of the tile's first stage, the producer's per-stage path carried the handoff
+//   and the GEMMs ran 7-19% slower at T = 1024..4096 even with static shares (twelfth session). Each
+//   tile is computed whole by one CTA, so results do not depend on who claimed it. The last CTA to
+//   finish claiming zeroes the counter for the next launch. Without a counter every role computes its
+//   static share (tile = CTA + i x grid) and the ring is unused.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -97,18 +97,6 @@ struct TmaConsumer {
   // A whole stage (KS sets) where registers allow; two m64 tiles per warpgroup double the accumulators,
   // and ptxas serializes the wgmmas (C7512) unless the sets shrink to four.
   static constexpr int NB = WM == 2 ? 4 : KS;
-  // A stage's empty barrier completes a phase with WARPS releases (lane 0 of each consumer warp, after
-  // the stage's wgmmas retired) plus 32 x WARPS arrivals that say the stage's tile slot is free: each
-  // consumer lane's own arrive after it read a claimed tile's index there, or the producer's one arrive
-  // (count 32 x WARPS) for a stage that carries no index. An arrive orders only the arriving thread's
-  // own accesses, so each reading lane releases the slot itself; a __syncwarp before lane 0's release
-  // is enough in the memory model but compute-sanitizer's racecheck does not follow it, and lane 0
-  // reading and shuffling the index put a config's accumulators on the stack (bench/NOTES.md). The K
-  // loop's release stays one predicated arrive: each lane releasing the tile's first stage there instead
-  // cost 1.5-3% at 512-1024 tokens.
-  static constexpr int kSlotArrivals = 32 * WARPS;
-  static constexpr int kEmptyArrivals = WARPS + kSlotArrivals;
-  static_assert(kEmptyArrivals < (1 << 20), "an mbarrier's expected arrival count is below 2^20");
 
   // One work tile's K loop with wgmma width N; returns with the accumulators complete (all retired).
   // stage/phase: the ring position, carried across tiles.
@@ -199,6 +187,13 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   const uint32_t smem_base = smem_u32(smem);
   const uint32_t bar_full = smem_base + static_cast<uint32_t>(kL.bar_offset);
   const uint32_t bar_empty = bar_full + 8 * STAGES;
+  // Claimed tiles' handoff (TmaTileRing, tile_config.hpp): kTileRing index slots, then their full and
+  // empty mbarriers, in the scheduler's reserved tail after the prefix and total.
+  constexpr int kTileRing = TmaTileRing::kSlots;
+  constexpr uint32_t kTileReaders = 32 * WARPS;
+  const uint32_t tile_slots = smem_base + static_cast<uint32_t>(kL.sched_offset + TmaTileRing::kOffset);
+  const uint32_t tile_full = tile_slots + TmaTileRing::kFullOffset;
+  const uint32_t tile_empty = tile_slots + TmaTileRing::kEmptyOffset;
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -210,7 +205,12 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
 #pragma unroll 1
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bar_full + 8 * s, 1);          // the producer's arrive (+ transaction bytes)
-      mbar_init(bar_empty + 8 * s, C::kEmptyArrivals);  // TmaConsumer::kEmptyArrivals
+      mbar_init(bar_empty + 8 * s, WARPS);     // one arrive per consumer warp
+    }
+#pragma unroll
+    for (int s = 0; s < kTileRing; ++s) {
+      mbar_init(tile_full + 8 * s, 1);                // the producer's arrive after it wrote the index
+      mbar_init(tile_empty + 8 * s, kTileReaders);    // every consumer lane's arrive after it read it
     }
     mbar_fence_init();
   }
@@ -221,14 +221,10 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   // scheduler's prefix is built after the split by the first consumer warp; named barrier 1 (the
   // producer's first warp and every consumer warp) publishes it. Registers per thread after the split:
   // tma_producer_regs / tma_consumer_regs (tile_config.hpp).
-  // the work tiles' slots (one per stage, kTmaTileSlots int32), after the scheduler's prefix and total
-  constexpr uint32_t kTilesOffset = static_cast<uint32_t>(kL.sched_offset) + (kMaxExperts + 2) * 4;
-  static_assert(STAGES <= kTmaTileSlots, "one tile slot per stage");
+
 
   if (warp < 4) {
     // ---- producer warpgroup ----
-    // 24 registers (tma_producer_regs): values it can reread (grid size, the counter's address, the
-    // expert count) are read where used, not held across the loop, which spilled.
     setmaxnreg_dec<tma_producer_regs(WARPS)>();
     if (warp != 0) return;
     named_barrier_sync(1, 32 + WARPS * 32);  // the scheduler's prefix is written
@@ -238,72 +234,65 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     const uint64_t pol_w = l2_policy_evict_first(), pol_a = l2_policy_evict_last();
     int stage = 0;
     uint32_t phase = 0;
+    // w: the tile to fill; the count is reread from shared memory per tile, not held
+    int w = static_cast<int>(blockIdx.x);
+    int ti = 0;  // tiles filled: tile ti's index goes to ring slot ti % kTileRing
 #pragma unroll 1
-    // the tile count is reread from shared memory per tile rather than held (the 24 registers)
-    for (int w = static_cast<int>(blockIdx.x); KT > 0 && w < s_prefix[kMaxExperts + 1];) {
+    for (; KT > 0 && w < s_prefix[kMaxExperts + 1]; ++ti) {
+      if (p.tile_counter != nullptr) {
+        // Hand the index to the consumers (the ring slot of tile ti, free once they read tile ti - 2),
+        // then claim the next tile now: its ~1 us round trip passes under this tile's K loop, which reads
+        // only `next`'s register after it.
+        const uint32_t slot = static_cast<uint32_t>(ti & (kTileRing - 1));
+        mbar_wait(tile_empty + 8 * slot, ((ti / kTileRing) & 1) ^ 1u);
+        st_shared_s32(tile_slots + 4 * slot, w);
+        mbar_arrive_if(tile_full + 8 * slot, true);
+      }
+      const int next = p.tile_counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1)
+                                                 : w + static_cast<int>(gridDim.x);
+      // the expert count formed at its use, not held: held (with `next` and ti), it spilled a register
       const WorkTile t = decode_tile<BT>(w, s_prefix, p, p.num_experts + (p.x_offsets != nullptr ? 1 : 0),
                                          TmaTokenTiles<kCfg>{p.tma_cut});
       // the consumers' width, and the activation map whose box has that many rows
       int wsel = 3;
       tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
       const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
-      // The weight set's maps as indices from p.tma.codes (GroupedGemmTmaMaps order: codes, scales,
-      // act[4], then the extra set's). Their addresses are formed again at each use (uniform registers
-      // from the parameter space's base): held, three 64-bit pointers spilled the producer's 24
-      // registers.
-      const int m_set = t.extra ? 6 : 0;
-      const int m_act = m_set + 2 + wsel;
+      const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
+      const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
+      const CUtensorMap* m_act = (t.extra ? p.tma.x_act : p.tma.act) + wsel;
       const int mrow = (t.extra ? 0 : t.expert * (p.n / 16)) + t.ftile * MT;  // first m-tile row of the map
 #pragma unroll 1
       for (int kt = 0; kt < KT; ++kt) {
         mbar_wait(bar_empty + 8 * stage, phase ^ 1u);  // a fresh barrier passes parity 1 at once
-        // w becomes the next tile's index during the K loop (one variable: the producer's 24 registers).
-        // Claimed tiles: the current index goes into the stage's slot first, published by the arrive
-        // below (release) to the consumers' wait on the full barrier (acquire); the next tile is claimed
-        // a ring (STAGES stages) before this tile's last copies: late, so the order follows the CTAs'
-        // progress, and early enough that the atomic's round trip (~1 us) passes while the consumers
-        // still have stages to work on.
-        if (kt == 0) {
-          if (p.tile_counter != nullptr)
-            st_shared_s32(smem_base + kTilesOffset + 4 * static_cast<uint32_t>(stage), w);
-          else
-            w += static_cast<int>(gridDim.x);
-        }
-        // a stage without an index: the slot's share of the empty barrier's arrivals, at once
-        mbar_arrive_count_if(bar_empty + 8 * stage, kt != 0 || p.tile_counter == nullptr, C::kSlotArrivals);
-        if (p.tile_counter != nullptr && (kt + STAGES == KT || (kt == 0 && KT < STAGES)))
-          w = static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1);
         const uint32_t full = bar_full + 8 * stage;
         mbar_arrive_expect_tx(full, tx);
         const uint32_t st = smem_base + static_cast<uint32_t>(stage) * static_cast<uint32_t>(kL.stage_bytes);
-        int set = m_set, act = m_act;
-        asm volatile("" : "+r"(set), "+r"(act));  // opaque: the addresses are not hoisted out of the loop
-        const CUtensorMap* maps = &p.tma.codes;
-        tma_load_2d(st + static_cast<uint32_t>(kL.codes_offset), maps + set, kt * BK, mrow, full, pol_w);
-        tma_load_2d(st + static_cast<uint32_t>(kL.scales_offset), maps + set + 1, kt * (BK / 8), mrow, full, pol_w);
+        tma_load_2d(st + static_cast<uint32_t>(kL.codes_offset), m_codes, kt * BK, mrow, full, pol_w);
+        tma_load_2d(st + static_cast<uint32_t>(kL.scales_offset), m_scales, kt * (BK / 8), mrow, full, pol_w);
 #pragma unroll
-        for (int c = 0; c < KC; ++c) tma_load_2d(st + c * BT * 128, maps + act, kt * BK + c * 64, t.row0, full, pol_a);
+        for (int c = 0; c < KC; ++c) tma_load_2d(st + c * BT * 128, m_act, kt * BK + c * 64, t.row0, full, pol_a);
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1u;
         }
       }
+      w = next;
     }
     if (p.tile_counter != nullptr) {
-      // This CTA's claims are done (the last one came back >= total). The last CTA to get here knows no
-      // claim can follow and zeroes the counter; the grid's completion publishes that to the next launch
-      // (which reads it only after its griddepcontrol.wait, or in stream order).
+      // This CTA's claims are done (the last came back >= total, or it had no first tile). The last CTA
+      // to get here knows no claim can follow and zeroes the counter; the grid's completion publishes
+      // that to the next launch (which reads it only after its griddepcontrol.wait, or in stream order).
+      // Then -1 in the next ring slot ends the consumers' loop.
       __threadfence();
       if (atomicAdd(p.tile_counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
         __threadfence();
         p.tile_counter[0] = 0;
         p.tile_counter[1] = 0;
       }
-      // The end of this CTA's tiles: -1 in the next stage's slot, behind its full barrier (arrived
-      // without bytes once the consumers have released that stage's last use).
-      mbar_wait(bar_empty + 8 * stage, phase ^ 1u);
-      st_shared_s32(smem_base + kTilesOffset + 4 * static_cast<uint32_t>(stage), -1);
-      mbar_arrive_if(bar_full + 8 * stage, true);
+      const uint32_t slot = static_cast<uint32_t>(ti & (kTileRing - 1));
+      mbar_wait(tile_empty + 8 * slot, ((ti / kTileRing) & 1) ^ 1u);
+      st_shared_s32(tile_slots + 4 * slot, -1);
+      mbar_arrive_if(tile_full + 8 * slot, true);
     }
     return;
   }
@@ -330,27 +319,26 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   constexpr bool kStageRs = EPI == kEpiPlain;
   // The wide token tiles (prefill) end with up to 2 x bt / 8 stores per m-tile and lane while the tensor
   // pipe idles: their epilogue is the flat one (store_mtile), its scalars prefetched into L1 at the tile
-  // start. Measured on the H200 against the guarded form: GEMMs at T = 4096 -1.4 to -8.7%, layer -0.7 to
-  // -5.4% (bench/NOTES.md, tenth session). The narrow tiles keep the guarded form: there the flat one
-  // computed n-tiles past the tile's rows and ran level to 1% slower.
+  // start (bench/NOTES.md, tenth session).
   constexpr bool kFlatEpilogue = BT >= 128;
   const uint32_t rs_off = static_cast<uint32_t>(kL.rs_offset) + static_cast<uint32_t>(cw * BT * 4);
-  // Static shares (no counter): the consumers know their tiles without the slot. Claimed tiles: the
-  // producer's slot, read after the wait on the tile's first full barrier (or the end marker).
-  const bool claimed = p.tile_counter != nullptr;
   // This warp's m-tile i of a work tile (within the expert's N): warpgroup cw / 4 holds WM m64 tiles, the
   // warp the (cw % 4)-th m16 of each.
   auto mtile_of = [&](const WorkTile& t, int i) { return t.ftile * MT + ((cw >> 2) * C::WM + i) * 4 + (cw & 3); };
-  const int total = KT > 0 ? s_prefix[kMaxExperts + 1] : 0;
 #pragma unroll 1
   for (int ti = 0;; ++ti) {
-    int w = static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x);
-    if (claimed) {
-      mbar_wait(bar_full + 8 * stage, phase);  // the K loop's own wait on it then passes at once
-      w = reinterpret_cast<const int32_t*>(smem + kTilesOffset)[stage];
-      mbar_arrive_if(bar_empty + 8 * stage, true);  // this lane is done with the slot (kEmptyArrivals)
-    } else if (w >= total) {
-      w = -1;
+    int w;
+    if (p.tile_counter != nullptr) {
+      // the producer's index for tile ti (or -1), then this lane's arrive: each reading lane releases the
+      // slot itself (an arrive orders only the arriving thread's own accesses)
+      const uint32_t slot = static_cast<uint32_t>(ti & (kTileRing - 1));
+      mbar_wait(tile_full + 8 * slot, (ti / kTileRing) & 1);
+      w = reinterpret_cast<const int32_t*>(smem + kL.sched_offset + TmaTileRing::kOffset)[slot];
+      mbar_arrive_if(tile_empty + 8 * slot, true);
+    } else {
+      w = static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x);
+      // the tile count reread from shared memory, not held (the bt-256 tiles' 168 registers spilled it)
+      if (KT <= 0 || w >= s_prefix[kMaxExperts + 1]) w = -1;
     }
     if (w < 0) break;
     const WorkTile t = decode_tile<BT>(w, s_prefix, p, E, TmaTokenTiles<kCfg>{p.tma_cut});
@@ -367,10 +355,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       cp_async_commit();
     }
     if (kFlatEpilogue && lane == 0) {
-      // The epilogue's per-expert scalars into L1 now: loaded at the tile end, they were an L2 round trip
-      // (under the K loop's TMA traffic) before its first value, with the tensor pipe idle. The pointers
-      // are store_mtile's own choices, repeated here: routing store_mtile through a shared helper changed
-      // the stream kernel's SASS, which no GPU has measured (bench/NOTES.md, tenth session).
+      // the epilogue's per-expert scalars into L1 now (store_mtile's pointer choices, repeated)
       prefetch_l1(t.extra ? p.x_global_scale : p.global_scale + t.expert);
       const float* gup = t.extra ? p.x_global_scale_up
                                  : (p.global_scale_up != nullptr ? p.global_scale_up + t.expert : nullptr);
