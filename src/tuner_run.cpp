@@ -239,9 +239,11 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
         bucket["timings"].push_back({{"config", cfg.name()}, {"cfg", tile_config_to_json(cfg)},
                                      {"median_us", med}, {"min_us", us.front()}, {"max_us", us.back()},
                                      {"reps", opt.reps}});
-        if (med < best_us && tuner_may_pick(cfg, static_cast<double>(rows) / E)) best_us = med, best = cfg;
+        if (med < best_us && tuner_may_pick(cfg, static_cast<double>(rows) / E, pr.shared_expert_fused))
+          best_us = med, best = cfg;
         progress.step(fmt::format("{} T={} {}", pr.key(), T, cfg.name()));
       }
+      bucket["shared_expert_fused"] = pr.shared_expert_fused;  // the rule the pick obeys (tuner_may_pick)
       bucket["best"] = tile_config_to_json(best);
       bucket["best_name"] = best.name();
       bucket["best_us"] = best_us;

@@ -77,6 +77,8 @@ void register_tune(CLI::App& app) {
       g2.n = m.gemm2_n();
       g2.k = m.gemm2_k();
       g2.epilogue = GemmEpilogue::kPlain;
+      // the layer fuses a shared expert into the routed launches below one row per expert
+      g1.shared_expert_fused = g2.shared_expert_fused = m.num_shared > 0;
       problems = {g1, g2};
     } else {
       FP4MOE_REQUIRE(a->n > 0 && a->k > 0 && a->experts > 0 && a->top_k > 0,

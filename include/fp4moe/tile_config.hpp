@@ -339,8 +339,11 @@ static_assert(tma_consumer_regs(8, 0) == 240 && tma_consumer_regs(8, 2) == 104 &
 // waves. Timed alone, without the shared expert, a tma config still won there (GLM-5 GEMM1 T = 1: 42.8
 // vs 47.3 us) and a pipeline config tied, but the layer lost with them (T = 1: 106.5 and 100.3 us vs
 // 87.6 with the stream kernel): the tuner times every config and picks from the stream configs.
-constexpr bool tuner_may_pick(const TileConfig& c, double rows_per_expert) {
-  return c.mma == 2 || rows_per_expert >= 1.0;
+// A model without a shared expert (shared_expert_fused = false: qwen3-30b, gpt-oss-120b) has no fused
+// rows, and there the tile-scheduled configs may be picked too: qwen3-30b's layer at T = 1 ran 7.7%
+// faster with the tma configs that won alone (8 active experts: one wave; bench/NOTES.md).
+constexpr bool tuner_may_pick(const TileConfig& c, double rows_per_expert, bool shared_expert_fused = true) {
+  return c.mma == 2 || rows_per_expert >= 1.0 || !shared_expert_fused;
 }
 
 // The kernel's __launch_bounds__ minimum CTAs per SM: two while the accumulators are small (decode: one

@@ -24,6 +24,9 @@ struct TuneProblem {
   GemmEpilogue epilogue = GemmEpilogue::kPlain;
   std::string weight_format = "nvfp4";
   std::string act_format = "bf16";
+  // The tuner's rule below one row per expert (tuner_may_pick): whether the layer fuses a shared
+  // expert's rows into this GEMM's launch there. Not part of the key; recorded in each bucket.
+  bool shared_expert_fused = true;
   std::string key() const;       // "E256_N4096_K6144_nvfp4_bf16_swiglu"
 };
 

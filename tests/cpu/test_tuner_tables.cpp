@@ -8,6 +8,7 @@
 #include <fstream>
 #include <string>
 
+#include "fp4moe/config.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/tile_config.hpp"
 #include "fp4moe/tuner.hpp"
@@ -307,18 +308,29 @@ TEST(ShippedTuneTables, ServeAnyH200Install) {
     EXPECT_EQ(k.sms, 132) << f;
     EXPECT_FALSE(k.config_list.empty()) << f;
   }
-  // Every shipped pick obeys the tuner's rule (tuner_may_pick): no tma config below one row per expert,
-  // and every bucket's pick is its fastest eligible timing (or a layer A/B's, with a note).
-  for (const char* f : {"/h200-glm-5.json", "/h200-kimi-k2.json", "/h200-gpt-oss-120b.json", "/h200-qwen3-30b.json"}) {
+  // Every shipped pick obeys the tuner's rule (tuner_may_pick): no tma or pipeline config below one row
+  // per expert where the layer fuses a shared expert there (a bucket measured before the rule knew the
+  // model says nothing: the strict rule), and every bucket's pick is its fastest eligible timing (or a
+  // layer A/B's, with a note). A bucket's recorded rule matches its preset.
+  constexpr TileConfig kTma{128, 64, 128, 8, 8, 3}, kStream{192, 8, 64, 4, 12, 2, 2};
+  static_assert(!tuner_may_pick(kTma, 0.5) && tuner_may_pick(kTma, 0.5, false) && tuner_may_pick(kTma, 1.0) &&
+                tuner_may_pick(kStream, 0.5));
+  for (const char* model : {"glm-5", "kimi-k2", "gpt-oss-120b", "qwen3-30b"}) {
+    const std::string f = std::string("/h200-") + model + ".json";
     std::ifstream in(dir + f);
     const nlohmann::json doc = nlohmann::json::parse(in);
+    const bool preset_fuses = preset(model).num_shared > 0;
     for (const auto& e : doc.at("entries"))
       for (const auto& b : e.at("buckets")) {
         const double rows = b.at("rows_per_expert").get<double>();
-        EXPECT_TRUE(tuner_may_pick(tile_config_from_json(b.at("best")), rows)) << f << " T=" << b.at("tokens");
+        const bool fused = b.value("shared_expert_fused", true);
+        if (b.contains("shared_expert_fused")) {
+          EXPECT_EQ(fused, preset_fuses) << f << " T=" << b.at("tokens");
+        }
+        EXPECT_TRUE(tuner_may_pick(tile_config_from_json(b.at("best")), rows, fused)) << f << " T=" << b.at("tokens");
         double fastest = 1e30;
         for (const auto& t : b.at("timings"))
-          if (tuner_may_pick(tile_config_from_json(t.at("cfg")), rows))
+          if (tuner_may_pick(tile_config_from_json(t.at("cfg")), rows, fused))
             fastest = std::min(fastest, t.at("median_us").get<double>());
         // A bucket may keep a slower pick only where a same-machine layer A/B overruled the GEMM-alone
         // timing; its "pick_note" names the result file, and the pick is still one of its timings.
