@@ -222,7 +222,6 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   // producer's first warp and every consumer warp) publishes it. Registers per thread after the split:
   // tma_producer_regs / tma_consumer_regs (tile_config.hpp).
 
-
   if (warp < 4) {
     // ---- producer warpgroup ----
     setmaxnreg_dec<tma_producer_regs(WARPS)>();
@@ -241,8 +240,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     for (; KT > 0 && w < s_prefix[kMaxExperts + 1]; ++ti) {
       if (p.tile_counter != nullptr) {
         // Hand the index to the consumers (the ring slot of tile ti, free once they read tile ti - 2),
-        // then claim the next tile now: its ~1 us round trip passes under this tile's K loop, which reads
-        // only `next`'s register after it.
+        // then claim the next tile now: nothing in this tile's K loop waits for the atomic (`next` is
+        // first read after it), so its ~1 us round trip passes under the loop.
         const uint32_t slot = static_cast<uint32_t>(ti & (kTileRing - 1));
         mbar_wait(tile_empty + 8 * slot, ((ti / kTileRing) & 1) ^ 1u);
         st_shared_s32(tile_slots + 4 * slot, w);
