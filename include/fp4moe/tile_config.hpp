@@ -340,8 +340,9 @@ static_assert(tma_consumer_regs(8, 0) == 240 && tma_consumer_regs(8, 2) == 104 &
 // vs 47.3 us) and a pipeline config tied, but the layer lost with them (T = 1: 106.5 and 100.3 us vs
 // 87.6 with the stream kernel): the tuner times every config and picks from the stream configs.
 // A model without a shared expert (shared_expert_fused = false: qwen3-30b, gpt-oss-120b) has no fused
-// rows, and there the tile-scheduled configs may be picked too: qwen3-30b's layer at T = 1 ran 7.7%
-// faster with the tma configs that won alone (8 active experts: one wave; bench/NOTES.md).
+// rows, and there the tile-scheduled configs may be picked too: qwen3-30b's layer at T = 1 ran 7-8%
+// faster with the configs that won alone, a tma GEMM1 and a pipeline GEMM2 (8 active experts: one
+// wave; bench/NOTES.md, twelfth session).
 constexpr bool tuner_may_pick(const TileConfig& c, double rows_per_expert, bool shared_expert_fused = true) {
   return c.mma == 2 || rows_per_expert >= 1.0 || !shared_expert_fused;
 }

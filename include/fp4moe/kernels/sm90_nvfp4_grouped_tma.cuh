@@ -233,20 +233,22 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     const uint64_t pol_w = l2_policy_evict_first(), pol_a = l2_policy_evict_last();
     int stage = 0;
     uint32_t phase = 0;
+    // Tile ti's index (or -1, the end) into ring slot ti % kTileRing, once the consumers have read the
+    // index that slot held before (tile ti - kTileRing), then published on the slot's full barrier.
+    auto hand_over = [&](int ti, int index) {
+      const uint32_t slot = static_cast<uint32_t>(ti & (kTileRing - 1));
+      mbar_wait(tile_empty + 8 * slot, ((ti / kTileRing) & 1) ^ 1u);  // a fresh barrier passes parity 1
+      st_shared_s32(tile_slots + 4 * slot, index);
+      mbar_arrive_if(tile_full + 8 * slot, true);
+    };
     // w: the tile to fill; the count is reread from shared memory per tile, not held
     int w = static_cast<int>(blockIdx.x);
-    int ti = 0;  // tiles filled: tile ti's index goes to ring slot ti % kTileRing
+    int ti = 0;  // tiles filled
 #pragma unroll 1
     for (; KT > 0 && w < s_prefix[kMaxExperts + 1]; ++ti) {
-      if (p.tile_counter != nullptr) {
-        // Hand the index to the consumers (the ring slot of tile ti, free once they read tile ti - 2),
-        // then claim the next tile now: nothing in this tile's K loop waits for the atomic (`next` is
-        // first read after it), so its ~1 us round trip passes under the loop.
-        const uint32_t slot = static_cast<uint32_t>(ti & (kTileRing - 1));
-        mbar_wait(tile_empty + 8 * slot, ((ti / kTileRing) & 1) ^ 1u);
-        st_shared_s32(tile_slots + 4 * slot, w);
-        mbar_arrive_if(tile_full + 8 * slot, true);
-      }
+      // Claimed tiles: hand this tile over, then claim the next one now: nothing in this tile's K loop
+      // waits for the atomic (`next` is first read after it), so its ~1 us round trip passes under it.
+      if (p.tile_counter != nullptr) hand_over(ti, w);
       const int next = p.tile_counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1)
                                                  : w + static_cast<int>(gridDim.x);
       // the expert count formed at its use, not held: held (with `next` and ti), it spilled a register
@@ -288,10 +290,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
         p.tile_counter[0] = 0;
         p.tile_counter[1] = 0;
       }
-      const uint32_t slot = static_cast<uint32_t>(ti & (kTileRing - 1));
-      mbar_wait(tile_empty + 8 * slot, ((ti / kTileRing) & 1) ^ 1u);
-      st_shared_s32(tile_slots + 4 * slot, -1);
-      mbar_arrive_if(tile_full + 8 * slot, true);
+      hand_over(ti, -1);
     }
     return;
   }
@@ -318,7 +317,9 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   constexpr bool kStageRs = EPI == kEpiPlain;
   // The wide token tiles (prefill) end with up to 2 x bt / 8 stores per m-tile and lane while the tensor
   // pipe idles: their epilogue is the flat one (store_mtile), its scalars prefetched into L1 at the tile
-  // start (bench/NOTES.md, tenth session).
+  // start. Measured on the H200 against the guarded form: GEMMs at T = 4096 -1.4 to -8.7%, layer -0.7 to
+  // -5.4% (bench/NOTES.md, tenth session). The narrow tiles keep the guarded form: there the flat one
+  // computed n-tiles past the tile's rows and ran level to 1% slower.
   constexpr bool kFlatEpilogue = BT >= 128;
   const uint32_t rs_off = static_cast<uint32_t>(kL.rs_offset) + static_cast<uint32_t>(cw * BT * 4);
   // This warp's m-tile i of a work tile (within the expert's N): warpgroup cw / 4 holds WM m64 tiles, the
@@ -354,7 +355,10 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       cp_async_commit();
     }
     if (kFlatEpilogue && lane == 0) {
-      // the epilogue's per-expert scalars into L1 now (store_mtile's pointer choices, repeated)
+      // The epilogue's per-expert scalars into L1 now: loaded at the tile end, they were an L2 round trip
+      // (under the K loop's TMA traffic) before its first value, with the tensor pipe idle. The pointers
+      // are store_mtile's own choices, repeated here: routing store_mtile through a shared helper changed
+      // the stream kernel's SASS, which no GPU has measured (bench/NOTES.md, tenth session).
       prefetch_l1(t.extra ? p.x_global_scale : p.global_scale + t.expert);
       const float* gup = t.extra ? p.x_global_scale_up
                                  : (p.global_scale_up != nullptr ? p.global_scale_up + t.expert : nullptr);
