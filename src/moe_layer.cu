@@ -152,6 +152,11 @@ void launch_shared_swiglu(const float* gate_up, int64_t tokens, int64_t width, c
   FP4MOE_CUDA_CHECK_LAUNCH();
 }
 
+void launch_shared_offsets(int32_t* shared_offsets, int64_t tokens, cudaStream_t stream) {
+  kernels::moe_shared_offsets_kernel<<<1, 32, 0, stream>>>(shared_offsets, static_cast<int32_t>(tokens));
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
+
 template <int kPerLane>
 void launch_routing(const kernels::RoutingParams& p, cudaStream_t stream) {
   const auto grid = static_cast<unsigned>((p.tokens + kernels::kRoutingWarps - 1) / kernels::kRoutingWarps);
@@ -350,16 +355,14 @@ static int32_t* tile_counter(const ExpertGemmBuffers& b, int launch) {
   return b.tile_counters != nullptr ? b.tile_counters + launch * kTileCounterStride : nullptr;
 }
 
-void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
-                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream) {
+namespace {
+// The two GEMM1 launches' arguments: routed (a) and shared (sa).
+struct Gemm1Args {
+  GroupedGemmArgs a, sa;
+};
+Gemm1Args gemm1_args(const MoeConfig& c, const ExpertGemmBuffers& b) {
   const GemmEpilogue act_epi =
       c.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
-  // A shared expert of the routed experts' width runs inside the routed GEMM launches (fused=true):
-  // its few tiles would otherwise occupy a handful of SMs in a launch of their own (at T = 1, 32 CTAs
-  // streaming 14 MB while 100 SMs idle). A wider shared expert (num_shared > 1) gets its own launches.
-  // No shared views: none, or one the caller runs itself (a bf16 shared expert).
-  const bool shared = c.num_shared > 0 && w.shared1 != nullptr;
-  const bool fused_shared = fuse_shared_expert(c, shared, b.shared_rows, tiles.gemm1);
   GroupedGemmArgs a;
   a.act = b.sorted;
   a.expert_offsets = b.expert_offsets;
@@ -379,16 +382,47 @@ void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   a.route_entries = b.route_entries;
   a.tile_counter = tile_counter(b, 0);
   sa.tile_counter = tile_counter(b, 1);
+  return {a, sa};
+}
+}  // namespace
+
+void run_expert_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream, bool shared_gemm1_elsewhere) {
+  // A shared expert of the routed experts' width runs inside the routed GEMM launches (fused=true):
+  // its few tiles would otherwise occupy a handful of SMs in a launch of their own (at T = 1, 32 CTAs
+  // streaming 14 MB while 100 SMs idle). A wider shared expert (num_shared > 1) gets its own launches.
+  // No shared views: none, or one the caller runs itself (a bf16 shared expert).
+  const bool shared = c.num_shared > 0 && w.shared1 != nullptr;
+  const bool fused_shared = fuse_shared_expert(c, shared, b.shared_rows, tiles.gemm1);
+  FP4MOE_REQUIRE(!shared_gemm1_elsewhere || (shared && !fused_shared),
+                 "run_expert_gemm1: the shared GEMM1 runs elsewhere only when it has a launch of its own");
+  const Gemm1Args g = gemm1_args(c, b);
   if (fused_shared) {
-    grouped_gemm_nvfp4(*w.gemm1, a, *w.shared1, sa, tiles.gemm1, stream);
+    grouped_gemm_nvfp4(*w.gemm1, g.a, *w.shared1, g.sa, tiles.gemm1, stream);
   } else {
-    grouped_gemm_nvfp4(*w.gemm1, a, tiles.gemm1, stream);
-    if (shared) grouped_gemm_nvfp4(*w.shared1, sa, tiles.shared_gemm1, stream);
+    grouped_gemm_nvfp4(*w.gemm1, g.a, tiles.gemm1, stream);
+    if (shared && !shared_gemm1_elsewhere) grouped_gemm_nvfp4(*w.shared1, g.sa, tiles.shared_gemm1, stream);
   }
 }
 
-void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+bool fork_shared_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+                       const MoeResolvedTileConfigs& tiles) {
+  const bool shared = c.num_shared > 0 && w.shared1 != nullptr && w.shared2 != nullptr;
+  return shared && !fuse_shared_expert(c, shared, b.shared_rows, tiles.gemm1) &&
+         !fuse_shared_expert(c, shared, b.shared_rows, tiles.gemm2) && tiles.gemm1.mma == 3 &&
+         b.tile_counters != nullptr;
+}
+
+void run_shared_gemm1(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
                       const MoeResolvedTileConfigs& tiles, cudaStream_t stream) {
+  FP4MOE_REQUIRE(fork_shared_gemm1(c, w, b, tiles), "run_shared_gemm1: the shared GEMM1 has no launch of its own here");
+  GroupedGemmArgs sa = gemm1_args(c, b).sa;
+  sa.programmatic_launch = false;  // the first kernel of its stream
+  grouped_gemm_nvfp4(*w.shared1, sa, tiles.shared_gemm1, stream);
+}
+
+void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream, cudaEvent_t join_before_shared) {
   const bool shared = c.num_shared > 0 && w.shared2 != nullptr;
   const bool fused_shared = fuse_shared_expert(c, shared, b.shared_rows, tiles.gemm2);
   GroupedGemmArgs a;
@@ -408,11 +442,21 @@ void run_expert_gemm2(const MoeConfig& c, const ExpertGemmWeights& w, const Expe
   sa.out = b.shared_gemm2_out;
   a.tile_counter = tile_counter(b, 2);
   sa.tile_counter = tile_counter(b, 3);
+  FP4MOE_REQUIRE(join_before_shared == nullptr || (shared && !fused_shared),
+                 "run_expert_gemm2: a join before the shared GEMM2 needs a launch of its own");
   if (fused_shared) {
     grouped_gemm_nvfp4(*w.gemm2, a, *w.shared2, sa, tiles.gemm2, stream);
   } else {
     grouped_gemm_nvfp4(*w.gemm2, a, tiles.gemm2, stream);
-    if (shared) grouped_gemm_nvfp4(*w.shared2, sa, tiles.shared_gemm2, stream);
+    if (shared) {
+      if (join_before_shared != nullptr) {
+        FP4MOE_CUDA_CHECK(cudaStreamWaitEvent(stream, join_before_shared, 0));
+        // Its predecessors are now the routed GEMM2 and the other stream's last kernel: a launch that
+        // waits for both in full (a programmatic edge is to one kernel).
+        sa.programmatic_launch = false;
+      }
+      grouped_gemm_nvfp4(*w.shared2, sa, tiles.shared_gemm2, stream);
+    }
   }
 }
 
@@ -428,6 +472,10 @@ struct MoeLayer::Impl {
   OwnedDeviceBuffer shared_w13_bf16, shared_w2_bf16;  // a bf16 shared expert (cuBLAS GEMMs)
   // make_tile_counters: one forward() at a time per layer uses them (as it does the cuBLAS workspace)
   OwnedDeviceBuffer tile_counters;
+  // The second stream of detail::fork_shared_gemm1 (the shared expert's GEMM1 at prefill) and its fork
+  // and join events. One forward() at a time per layer, as above.
+  cudaStream_t side_stream = nullptr;
+  cudaEvent_t fork_event = nullptr, join_event = nullptr;
   cublasHandle_t cublas = nullptr;
   MoeTileConfigs tiles;
   // Automatic choices per token bucket [2^b, 2^(b+1)): tuner cache, else heuristic. Resolved once in
@@ -441,6 +489,9 @@ struct MoeLayer::Impl {
 
   ~Impl() {
     if (cublas != nullptr) cublasDestroy(cublas);
+    if (join_event != nullptr) cudaEventDestroy(join_event);
+    if (fork_event != nullptr) cudaEventDestroy(fork_event);
+    if (side_stream != nullptr) cudaStreamDestroy(side_stream);
     if (routing_error_host != nullptr) cudaFreeHost(routing_error_host);
   }
 };
@@ -475,6 +526,11 @@ MoeLayer::MoeLayer(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t max_t
   }
   m.router_bias = copy_to_owned(w.router_bias, E * sizeof(float), stream);
   m.tile_counters = detail::make_tile_counters(stream);
+  if (m.cfg.num_shared > 0 && !shared_bf16) {
+    FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&m.side_stream, cudaStreamNonBlocking));
+    FP4MOE_CUDA_CHECK(cudaEventCreateWithFlags(&m.fork_event, cudaEventDisableTiming));
+    FP4MOE_CUDA_CHECK(cudaEventCreateWithFlags(&m.join_event, cudaEventDisableTiming));
+  }
   if (w.router_weight != nullptr)
     m.router_weight = copy_to_owned(w.router_weight, static_cast<size_t>(E * cfg.hidden) * 2, stream);
   if (w.router_weight != nullptr || shared_bf16) {
@@ -598,17 +654,6 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
       detail::record_stage_event(stage_events[i], stream);
   };
 
-  // ---- permutation + gather ----
-  // Every launch after routing uses programmatic dependent launch: each kernel's launch overlaps the
-  // previous one's tail (at T = 1 five launches' latency is a fifth of the layer).
-  moe_permute_gather(E, k, tokens, topk_ids, topk_weights, chunk_counts, ws.expert_offsets, ws.row_of,
-                     ws.row_scale, c.num_shared > 0 ? shared_offsets : nullptr, hidden, H, ws.sorted_hidden,
-                     stream, PermutePath::kAuto, /*programmatic_launch=*/true);  // one launch when tokens * k <= 4096
-  mark(2);
-
-  // ---- GEMM1 (+ activation), GEMM2 (x routing weight) ----
-  // A bf16 shared expert runs as two cuBLAS GEMMs around the SwiGLU kernel; an NVFP4 one inside the
-  // routed launches (run_expert_gemm1/2).
   const bool shared_bf16 = m.shared_w13_bf16.get() != nullptr;
   detail::ExpertGemmBuffers gb;
   gb.sorted = ws.sorted_hidden;
@@ -632,7 +677,33 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   }
   const detail::ExpertGemmWeights gw{&m.gemm1.view, &m.gemm2.view, shared_bf16 ? nullptr : &m.shared1.view,
                                      shared_bf16 ? nullptr : &m.shared2.view};
-  detail::run_expert_gemm1(c, gw, gb, tiles, stream);
+
+  // ---- the shared expert's GEMM1 on the second stream (prefill; detail::fork_shared_gemm1) ----
+  // Forked here, joined before the shared GEMM2. Its offsets {0, T} come from a kernel of its own stream
+  // (the permutation writes them otherwise). Event record / wait pairs are captured as graph edges, so
+  // the call stays capturable.
+  const bool fork = m.side_stream != nullptr && detail::fork_shared_gemm1(c, gw, gb, tiles);
+  if (fork) {
+    FP4MOE_CUDA_CHECK(cudaEventRecord(m.fork_event, stream));
+    FP4MOE_CUDA_CHECK(cudaStreamWaitEvent(m.side_stream, m.fork_event, 0));
+    launch_shared_offsets(shared_offsets, tokens, m.side_stream);
+    detail::run_shared_gemm1(c, gw, gb, tiles, m.side_stream);
+    FP4MOE_CUDA_CHECK(cudaEventRecord(m.join_event, m.side_stream));
+  }
+
+  // ---- permutation + gather ----
+  // Every launch after routing uses programmatic dependent launch: each kernel's launch overlaps the
+  // previous one's tail (at T = 1 five launches' latency is a fifth of the layer).
+  moe_permute_gather(E, k, tokens, topk_ids, topk_weights, chunk_counts, ws.expert_offsets, ws.row_of,
+                     ws.row_scale, c.num_shared > 0 && !fork ? shared_offsets : nullptr, hidden, H,
+                     ws.sorted_hidden, stream, PermutePath::kAuto,
+                     /*programmatic_launch=*/true);  // one launch when tokens * k <= 4096
+  mark(2);
+
+  // ---- GEMM1 (+ activation), GEMM2 (x routing weight) ----
+  // A bf16 shared expert runs as two cuBLAS GEMMs around the SwiGLU kernel; an NVFP4 one inside the
+  // routed launches or in its own (run_expert_gemm1/2).
+  detail::run_expert_gemm1(c, gw, gb, tiles, stream, /*shared_gemm1_elsewhere=*/fork);
   if (shared_bf16) {
     // gate_up[T, 2Is] (fp32) = hidden[T, H] . W13[2Is, H]^T; column-major: C[2Is, T] = W13^T-view x hidden
     // (Is as the layer runs it: zero-padded to a multiple of 64, like the NVFP4 experts)
@@ -648,7 +719,7 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
     launch_shared_swiglu(gate_up, tokens, Is, c, shared_gemm1_out, stream);
   }
   mark(3);
-  detail::run_expert_gemm2(c, gw, gb, tiles, stream);
+  detail::run_expert_gemm2(c, gw, gb, tiles, stream, fork ? m.join_event : nullptr);
   if (shared_bf16) {
     // out[T, H] (bf16) = act[T, Is] . W2[H, Is]^T
     const int64_t Is = c.kernel_shared_intermediate();

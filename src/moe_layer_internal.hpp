@@ -98,9 +98,31 @@ struct ExpertGemmWeights {
 
 // GEMM1 (+ activation) and GEMM2 (x routing weight) of the routed experts and the shared expert.
 // A shared expert of the routed experts' width (num_shared == 1) runs inside the routed launches.
+// shared_gemm1_elsewhere: the caller launched the shared GEMM1 itself (run_shared_gemm1, on a second
+// stream); join_before_shared: an event the shared GEMM2 waits for (that stream's end), its launch then
+// without programmatic dependent launch (its predecessor is no longer one kernel).
 void run_expert_gemm1(const MoeConfig& cfg, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
-                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream);
+                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream, bool shared_gemm1_elsewhere = false);
 void run_expert_gemm2(const MoeConfig& cfg, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+                      const MoeResolvedTileConfigs& tiles, cudaStream_t stream, cudaEvent_t join_before_shared = nullptr);
+
+// Whether the layer runs the shared expert's GEMM1 on a second stream, forked at the start of the call
+// (it reads the layer's input in token order, nothing of the permutation) and joined before the shared
+// GEMM2, instead of between the routed GEMM1 and the routed GEMM2. Only where the shared expert has
+// launches of its own in both GEMMs and the routed GEMM1 claims its work tiles in arrival order (a tma
+// config with tile counters), so that its CTAs may start on whichever SMs the shared GEMM1 leaves and
+// take the tiles that remain (a statically split stream kernel would wait for its last CTA).
+// What it buys, measured on an H200 (bench/NOTES.md, thirteenth session): not an overlap with the
+// permutation. A tma CTA holds its SM's whole register file, so no other kernel's CTA runs beside it:
+// where the shared GEMM1 starts first (the multi-kernel permutation, T * k > 4096) the permutation waits
+// for its SMs (T = 4096: the scatter ~250 us) and the layer is level. Where the one-launch permutation
+// runs first, the shared GEMM1 still runs in the routed GEMM1's tail, but the routed GEMM2 no longer
+// waits for it (it is no longer the routed GEMM2's programmatic predecessor): the two share the SMs the
+// routed GEMM1 leaves. Layer -1 to -5% at T = 384..1024 (GLM-5, Kimi-K2), level at 2048..4096.
+bool fork_shared_gemm1(const MoeConfig& cfg, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
+                       const MoeResolvedTileConfigs& tiles);
+// The shared GEMM1 alone (not fused, no programmatic dependent launch: the first kernel of its stream).
+void run_shared_gemm1(const MoeConfig& cfg, const ExpertGemmWeights& w, const ExpertGemmBuffers& b,
                       const MoeResolvedTileConfigs& tiles, cudaStream_t stream);
 
 }  // namespace fp4moe::detail

@@ -787,6 +787,54 @@ TEST(MoeLayerGpu, TmaTilesWithFusedSharedExpertMatchReference) {
   if (ran == 0) GTEST_SKIP() << "no tma config is valid on " << arch.name << " (they need sm_90a)";
 }
 
+// The shared expert's GEMM1 on the layer's second stream (prefill: the shared expert in launches of its
+// own, the routed GEMM1 a tma config that claims its tiles; MoeLayer::forward_experts): against the
+// fp64 reference, bit-identical run to run, and a captured graph (workspace poisoned first, so the
+// shared offsets that its own stream writes must be written inside the graph) equal to the eager run.
+TEST(MoeLayerGpu, SharedExpertOnItsOwnStreamMatchesReferenceAndGraph) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  const MoeConfig& cfg = preset("tiny");
+  ASSERT_EQ(cfg.num_shared, 1);
+  const uint64_t seed = 91;
+  HostLayer L = build_host_layer(cfg, seed);
+  VectorExperts experts(std::vector<ExpertWeights>(L.experts.begin(), L.experts.end() - 1),
+                        std::vector<ExpertWeights>{L.experts.back()});
+  const ArchInfo arch = arch_from_device(0);
+  const TileConfig tma_bt32{128, 32, 64, 12, 8, 3, 2};
+  if (!plan_sm80(tma_bt32, arch).verdict.valid) GTEST_SKIP() << "the tma configs need sm_90a; " << arch.name;
+  ASSERT_EQ(cfg.hidden % 64, 0);
+  ASSERT_EQ(cfg.intermediate % 64, 0);
+  Stream st;
+  const int64_t T = 300;  // > 8 token tiles of 32 rows: the shared expert is not fused
+  MoeLayer layer(cfg, L.w, T, st.s);
+  MoeTileConfigs tiles;
+  tiles.gemm1 = tiles.gemm2 = tiles.shared_gemm1 = tiles.shared_gemm2 = tma_bt32;
+  layer.set_tile_configs(tiles);
+  OwnedDeviceBuffer ws(layer.workspace_bytes()), out(T * cfg.hidden * 2);
+  const std::vector<float> hidden = make_synthetic_hidden(cfg, seed, T);
+  OwnedDeviceBuffer dh = upload(to_bf16(hidden)), dl = upload(make_synthetic_router_logits(cfg, seed, T));
+  const LayerResult a = run_layer(layer, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes(), st.s);
+  expect_close_to_reference(cfg, experts, hidden, a, all_tokens(T));
+  const LayerResult b = run_layer(layer, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes(), st.s);
+  EXPECT_EQ(a.out, b.out) << "two eager runs differ";
+  FP4MOE_CUDA_CHECK(cudaMemsetAsync(ws.get(), 0xff, ws.bytes(), st.s));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
+  layer.forward(st.s, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes());
+  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(st.s, &graph));
+  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 3; ++rep) {
+    FP4MOE_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), st.s));
+    FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, st.s));
+    FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+    EXPECT_EQ(download<uint16_t>(out.get(), T * cfg.hidden), a.out) << "graph replay " << rep << " != eager";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 TEST(MoeLayerGpu, ForwardRejectsBadArguments) {
   FP4MOE_SKIP_WITHOUT_GPU();
   const MoeConfig& cfg = preset("tiny");

@@ -100,6 +100,15 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
+// The shared expert's offsets {0, T} alone: for its GEMM1 launched on a second stream while the
+// permutation runs (MoeLayer::forward_experts), which then does not write them.
+__global__ void moe_shared_offsets_kernel(int32_t* __restrict__ shared_offsets, int32_t tokens) {
+  if (threadIdx.x == 0) {
+    shared_offsets[0] = 0;
+    shared_offsets[1] = tokens;
+  }
+}
+
 __global__ void __launch_bounds__(kPermuteWarps * 32)
     moe_scatter_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, int64_t n,
                        int num_experts, const int32_t* __restrict__ chunk_base /*[chunks, E]*/,
