@@ -52,7 +52,7 @@ std::vector<int64_t> parse_buckets(const std::string& s) {
 void register_tune(CLI::App& app) {
   auto a = std::make_shared<TuneArgs>();
   CLI::App* cmd = app.add_subcommand("tune", "Time every valid GEMM tile config per token bucket; write the tuner cache");
-  cmd->add_option("--model", a->model, "model preset: tunes GEMM1 (N = 2I, K = H, SwiGLU) and GEMM2 (N = H, K = I)");
+  cmd->add_option("--model", a->model, "model preset: tunes GEMM1 (N = 2I, K = H, SwiGLU) and GEMM2 (N = H, K = I), and a shared expert's two GEMMs (one expert, every token)");
   cmd->add_option("--buckets", a->buckets, "token counts T, comma-separated");
   cmd->add_option("--out", a->out, "cache file to write (default: $FP4MOE_TUNE_CACHE if a file, else tune-<gpu>.json)");
   cmd->add_option("--n", a->n, "explicit problem: output features per expert");
@@ -80,6 +80,19 @@ void register_tune(CLI::App& app) {
       // the layer fuses a shared expert into the routed launches below one row per expert
       g1.shared_expert_fused = g2.shared_expert_fused = m.num_shared > 0;
       problems = {g1, g2};
+      if (m.num_shared > 0) {
+        // The shared expert's own launches (beyond 8 token tiles of the routed tile, the layer runs it
+        // apart): one expert seeing every token, as moe_layer_tile_configs looks it up. Untuned, the
+        // layer fell back to the heuristic there (GLM-5 T = 128: 32 CTAs of 128 x 256 for 128 rows).
+        TuneProblem s1 = g1, s2 = g2;
+        s1.experts = s2.experts = 1;
+        s1.top_k = s2.top_k = 1;
+        s1.n = 2 * m.kernel_shared_intermediate();
+        s2.k = m.kernel_shared_intermediate();
+        s1.shared_expert_fused = s2.shared_expert_fused = false;
+        problems.push_back(s1);
+        problems.push_back(s2);
+      }
     } else {
       FP4MOE_REQUIRE(a->n > 0 && a->k > 0 && a->experts > 0 && a->top_k > 0,
                      "give --model, or all of --n ({}), --k ({}), --experts ({}), --top-k ({}) as positive numbers",
