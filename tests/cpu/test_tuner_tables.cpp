@@ -311,8 +311,8 @@ TEST(ShippedTuneTables, ServeAnyH200Install) {
   // Every shipped pick obeys the tuner's rule (tuner_may_pick): no tma or pipeline config below one row
   // per expert where the layer fuses a shared expert there (a bucket measured before the rule knew the
   // model says nothing: the strict rule), and every bucket's pick is its fastest eligible timing (or a
-  // layer A/B's, with a note). A bucket's recorded rule matches its preset: the routed experts' fuse the
-  // shared expert where the preset has one, the shared expert's own problem (one expert) never does.
+  // layer A/B's, with a note). A routed bucket's recorded rule matches its preset; the shared expert's
+  // own problem (one expert, top-1) exists only for a preset with one and sees >= 1 row per expert.
   constexpr TileConfig kTma{128, 64, 128, 8, 8, 3}, kStream{192, 8, 64, 4, 12, 2, 2};
   static_assert(!tuner_may_pick(kTma, 0.5) && tuner_may_pick(kTma, 0.5, false) && tuner_may_pick(kTma, 1.0) &&
                 tuner_may_pick(kStream, 0.5));
