@@ -587,10 +587,13 @@ TEST(MoeLayerGpu, Glm5MatchesReference) {
   }
 }
 
-// Bitwise determinism, CUDA-graph capture == eager, and every output written (NaN poison).
-void check_determinism_and_graph(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t T, uint64_t seed) {
+// Bitwise determinism (two eager runs) and CUDA-graph capture == eager, every output written (NaN
+// poison), on a built layer (with whatever tile configs it was given). The graph is captured after the
+// workspace was poisoned too, so it must not depend on state left by the eager runs. Returns the eager
+// result.
+LayerResult expect_deterministic_and_graph_equal(const MoeLayer& layer, int64_t T, uint64_t seed, int replays = 2) {
+  const MoeConfig& cfg = layer.config();
   Stream st;
-  MoeLayer layer(cfg, w, T, st.s);
   OwnedDeviceBuffer ws(layer.workspace_bytes()), out(T * cfg.hidden * 2);
   OwnedDeviceBuffer dh = upload(to_bf16(make_synthetic_hidden(cfg, seed, T)));
   OwnedDeviceBuffer dl = upload(make_synthetic_router_logits(cfg, seed, T));
@@ -598,7 +601,6 @@ void check_determinism_and_graph(const MoeConfig& cfg, const MoeLayerWeights& w,
   const LayerResult b = run_layer(layer, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes(), st.s);
   EXPECT_EQ(a.out, b.out) << "two eager runs differ";
 
-  // Poison the workspace too: the graph must not depend on state left by the eager runs.
   FP4MOE_CUDA_CHECK(cudaMemsetAsync(ws.get(), 0xff, ws.bytes(), st.s));
   FP4MOE_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), st.s));
   FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
@@ -608,7 +610,7 @@ void check_determinism_and_graph(const MoeConfig& cfg, const MoeLayerWeights& w,
   layer.forward(st.s, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes());
   FP4MOE_CUDA_CHECK(cudaStreamEndCapture(st.s, &graph));
   FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int rep = 0; rep < 2; ++rep) {
+  for (int rep = 0; rep < replays; ++rep) {
     FP4MOE_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), st.s));
     FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, st.s));
     FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
@@ -616,6 +618,13 @@ void check_determinism_and_graph(const MoeConfig& cfg, const MoeLayerWeights& w,
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  return a;
+}
+
+void check_determinism_and_graph(const MoeConfig& cfg, const MoeLayerWeights& w, int64_t T, uint64_t seed) {
+  Stream st;
+  const MoeLayer layer(cfg, w, T, st.s);
+  expect_deterministic_and_graph_equal(layer, T, seed);
 }
 
 TEST(MoeLayerGpu, DeterministicAndGraphCapturable) {
@@ -810,29 +819,8 @@ TEST(MoeLayerGpu, SharedExpertOnItsOwnStreamMatchesReferenceAndGraph) {
   MoeTileConfigs tiles;
   tiles.gemm1 = tiles.gemm2 = tiles.shared_gemm1 = tiles.shared_gemm2 = tma_bt32;
   layer.set_tile_configs(tiles);
-  OwnedDeviceBuffer ws(layer.workspace_bytes()), out(T * cfg.hidden * 2);
-  const std::vector<float> hidden = make_synthetic_hidden(cfg, seed, T);
-  OwnedDeviceBuffer dh = upload(to_bf16(hidden)), dl = upload(make_synthetic_router_logits(cfg, seed, T));
-  const LayerResult a = run_layer(layer, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes(), st.s);
-  expect_close_to_reference(cfg, experts, hidden, a, all_tokens(T));
-  const LayerResult b = run_layer(layer, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes(), st.s);
-  EXPECT_EQ(a.out, b.out) << "two eager runs differ";
-  FP4MOE_CUDA_CHECK(cudaMemsetAsync(ws.get(), 0xff, ws.bytes(), st.s));
-  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  FP4MOE_CUDA_CHECK(cudaStreamBeginCapture(st.s, cudaStreamCaptureModeThreadLocal));
-  layer.forward(st.s, dh.get(), T, dl.as<float>(), out.get(), ws.get(), ws.bytes());
-  FP4MOE_CUDA_CHECK(cudaStreamEndCapture(st.s, &graph));
-  FP4MOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int rep = 0; rep < 3; ++rep) {
-    FP4MOE_CUDA_CHECK(cudaMemsetAsync(out.get(), 0xff, out.bytes(), st.s));
-    FP4MOE_CUDA_CHECK(cudaGraphLaunch(exec, st.s));
-    FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
-    EXPECT_EQ(download<uint16_t>(out.get(), T * cfg.hidden), a.out) << "graph replay " << rep << " != eager";
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  const LayerResult a = expect_deterministic_and_graph_equal(layer, T, seed, /*replays=*/3);
+  expect_close_to_reference(cfg, experts, make_synthetic_hidden(cfg, seed, T), a, all_tokens(T));
 }
 
 TEST(MoeLayerGpu, ForwardRejectsBadArguments) {
