@@ -2,6 +2,7 @@
 // kept out of the .cu files, whose nvcc host pass rejects fmt/format.h's constexpr paths.
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -60,6 +61,19 @@ std::string summarize_stream_trace(const std::vector<unsigned long long>& v, int
       ++n[b];
     }
     quantiles(x, "CTA done (its last warp)");
+    {  // each CTA's SM and finishing time, to tell a per-SM rate from chance
+      std::vector<std::pair<unsigned long long, double>> by_sm;
+      for (size_t c = 0; c * warps_per_cta < warps; ++c) {
+        unsigned long long e = 0, sm = 0;
+        for (size_t w = c * warps_per_cta; w < std::min(warps, (c + 1) * warps_per_cta); ++w)
+          if (at(w, kTraceEntry) != 0) e = std::max(e, done(w)), sm = std::max(sm, at(w, kTraceSmid));
+        if (e != 0 && sm != 0) by_sm.emplace_back(sm - 1, us(e));
+      }
+      std::sort(by_sm.begin(), by_sm.end());
+      out += "    CTA done by SM (smid:us):";
+      for (const auto& [sm, t] : by_sm) out += fmt::format(" {}:{:.1f}", sm, t);
+      out += "\n";
+    }
     out += "    CTA done, mean by rounds run:";
     for (int b = 0; b < 4; ++b)
       if (n[b] > 0) out += fmt::format(" {}{} rounds: {:.1f} us ({} CTAs);", b, b == 3 ? "+" : "", sum[b] / n[b], n[b]);

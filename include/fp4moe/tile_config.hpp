@@ -92,8 +92,9 @@ enum StreamTraceSlot : int {
   kTraceCursorNs = 12,    // inside stream_cursor_next
   kTraceRounds = 13,
   kTraceEpilogueNs = 14,  // storing m-tiles (store_mtile), split sums included
+  kTraceSmid = 15,        // the SM the CTA ran on, plus one (%smid + 1: 0 is "not written")
 };
-static_assert(kTraceEpilogueNs < kStreamTraceSlots, "the slots must fit kStreamTraceSlots");
+static_assert(kTraceSmid < kStreamTraceSlots, "the slots must fit kStreamTraceSlots");
 
 
 // The stream kernel's timeline (GroupedGemmArgs::trace) is compiled in only with
