@@ -48,32 +48,27 @@ std::string summarize_stream_trace(const std::vector<unsigned long long>& v, int
   // CTAs with more rounds finish later unless the split accounts for it.
   if (warps_per_cta > 0) {
     std::vector<double> x;
+    // each CTA's SM (kTraceSmid, %smid + 1) and finishing time, to tell a per-SM rate from chance
+    std::vector<std::pair<unsigned long long, double>> by_sm;
     double sum[4] = {0, 0, 0, 0};
     int n[4] = {0, 0, 0, 0};
     for (size_t c = 0; c * warps_per_cta < warps; ++c) {
-      unsigned long long e = 0, rounds = 0;
+      unsigned long long e = 0, rounds = 0, sm = 0;
       for (size_t w = c * warps_per_cta; w < std::min(warps, (c + 1) * warps_per_cta); ++w)
-        if (at(w, kTraceEntry) != 0) e = std::max(e, done(w)), rounds = std::max(rounds, at(w, kTraceRounds));
+        if (at(w, kTraceEntry) != 0)
+          e = std::max(e, done(w)), rounds = std::max(rounds, at(w, kTraceRounds)), sm = std::max(sm, at(w, kTraceSmid));
       if (e == 0) continue;
       x.push_back(us(e));
+      if (sm != 0) by_sm.emplace_back(sm - 1, us(e));
       const int b = static_cast<int>(std::min<unsigned long long>(rounds, 3));
       sum[b] += us(e);
       ++n[b];
     }
     quantiles(x, "CTA done (its last warp)");
-    {  // each CTA's SM and finishing time, to tell a per-SM rate from chance
-      std::vector<std::pair<unsigned long long, double>> by_sm;
-      for (size_t c = 0; c * warps_per_cta < warps; ++c) {
-        unsigned long long e = 0, sm = 0;
-        for (size_t w = c * warps_per_cta; w < std::min(warps, (c + 1) * warps_per_cta); ++w)
-          if (at(w, kTraceEntry) != 0) e = std::max(e, done(w)), sm = std::max(sm, at(w, kTraceSmid));
-        if (e != 0 && sm != 0) by_sm.emplace_back(sm - 1, us(e));
-      }
-      std::sort(by_sm.begin(), by_sm.end());
-      out += "    CTA done by SM (smid:us):";
-      for (const auto& [sm, t] : by_sm) out += fmt::format(" {}:{:.1f}", sm, t);
-      out += "\n";
-    }
+    std::sort(by_sm.begin(), by_sm.end());
+    out += "    CTA done by SM (smid:us):";
+    for (const auto& [sm, t] : by_sm) out += fmt::format(" {}:{:.1f}", sm, t);
+    out += "\n";
     out += "    CTA done, mean by rounds run:";
     for (int b = 0; b < 4; ++b)
       if (n[b] > 0) out += fmt::format(" {}{} rounds: {:.1f} us ({} CTAs);", b, b == 3 ? "+" : "", sum[b] / n[b], n[b]);

@@ -443,10 +443,10 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // CTA of its predecessor passed that predecessor's own wait, so their producer has completed. Weights
   // are constant.
   trace_event(p, kTraceEntry);
-  if (trace_on(p) && (threadIdx.x & 31) == 0) {
+  if (trace_on(p)) {  // the slots start zeroed: adding %smid + 1 records it
     unsigned smid;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    trace_slots(p)[kTraceSmid] = smid + 1ull;
+    trace_add(p, kTraceSmid, smid + 1ull);
   }
   if (!p.weights_before_wait) {
     pdl_wait();
