@@ -103,6 +103,11 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+  return r;
+}
 // Folds to false (and every trace branch away) unless the build has FP4MOE_STREAM_TRACE.
 __device__ __forceinline__ bool trace_on(const GroupedGemmParams& p) { return kStreamTraceBuilt && p.trace != nullptr; }
 __device__ __forceinline__ unsigned long long* trace_slots(const GroupedGemmParams& p) {
@@ -110,6 +115,9 @@ __device__ __forceinline__ unsigned long long* trace_slots(const GroupedGemmPara
 }
 __device__ __forceinline__ void trace_event(const GroupedGemmParams& p, int slot) {  // lane 0 stores
   if (trace_on(p) && (threadIdx.x & 31) == 0) trace_slots(p)[slot] = global_timer_ns();
+}
+__device__ __forceinline__ void trace_set(const GroupedGemmParams& p, int slot, unsigned long long v) {
+  if (trace_on(p) && (threadIdx.x & 31) == 0) trace_slots(p)[slot] = v;
 }
 __device__ __forceinline__ void trace_add(const GroupedGemmParams& p, int slot, unsigned long long v) {
   if (trace_on(p) && (threadIdx.x & 31) == 0) trace_slots(p)[slot] += v;
@@ -443,11 +451,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // CTA of its predecessor passed that predecessor's own wait, so their producer has completed. Weights
   // are constant.
   trace_event(p, kTraceEntry);
-  if (trace_on(p)) {  // the slots start zeroed: adding %smid + 1 records it
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    trace_add(p, kTraceSmid, smid + 1ull);
-  }
+  if (trace_on(p)) trace_set(p, kTraceSmid, sm_id() + 1ull);  // + 1: 0 is "not written"
   if (!p.weights_before_wait) {
     pdl_wait();
     pdl_launch_dependents();
