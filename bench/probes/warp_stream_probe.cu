@@ -105,11 +105,19 @@ __device__ int static_first_warp(const Sched& s, long long a) {
   while (w > 0 && range_at(s, w) > a) --w;
   return w;
 }
-__device__ int static_piece_count(const Sched& s, int u) {
+__device__ __forceinline__ int static_slot(int w, bool at_range_start) { return 2 * w + (at_range_start ? 0 : 1); }
+// fn(slot) for each piece of unit u in piece order: the count and the last piece's sum walk the same list.
+template <typename Fn>
+__device__ void for_each_static_piece(const Sched& s, int u, Fn fn) {
   const long long a = static_cast<long long>(u) * s.Kc, b = a + s.Kc;
+  for (int w = static_first_warp(s, a); w < s.W && range_at(s, w) < b; ++w) {
+    const long long f0 = range_at(s, w), f1 = range_at(s, w + 1);
+    if (f1 > f0 && f1 > a) fn(static_slot(w, f0 >= a));
+  }
+}
+__device__ int static_piece_count(const Sched& s, int u) {
   int P = 0;
-  for (int w = static_first_warp(s, a); w < s.W && range_at(s, w) < b; ++w)
-    if (range_at(s, w + 1) > range_at(s, w) && range_at(s, w + 1) > a) ++P;
+  for_each_static_piece(s, u, [&](int) { ++P; });
   return P;
 }
 
@@ -119,7 +127,7 @@ __device__ bool next_piece(const ProbeParams& p, const Sched& s, WarpQ& wq, Piec
   const int lane = threadIdx.x & 31;
   if (p.mode == 0) {
     const long long end = range_at(s, gw + 1);
-    const long long pos = wq.lw_pos < 0 ? range_at(s, gw) : static_cast<long long>(wq.lw_pos) ;
+    const long long pos = wq.lw_pos < 0 ? range_at(s, gw) : static_cast<long long>(wq.lw_pos);
     if (pos >= end) return false;
     const int u = static_cast<int>(pos / s.Kc);
     const long long m0 = static_cast<long long>(u) * s.Kc;
@@ -129,7 +137,7 @@ __device__ bool next_piece(const ProbeParams& p, const Sched& s, WarpQ& wq, Piec
     pc.c1 = static_cast<int>(stop - m0);
     const bool whole = pc.c0 == 0 && pc.c1 == s.Kc;
     pc.P = whole ? 1 : static_piece_count(s, u);
-    pc.slot = 2 * gw + (pos == range_at(s, gw) ? 0 : 1);
+    pc.slot = static_slot(gw, pos == range_at(s, gw));
     __syncwarp();
     if (lane == 0) wq.lw_pos = static_cast<int>(stop);
     __syncwarp();
@@ -238,20 +246,14 @@ __device__ __noinline__ MathPiece math_next(const ProbeParams& p, uint8_t* smem,
       if (old == pc.P - 1) {  // last to arrive: sum the pieces in piece order, store, reset the counter
         __threadfence();
         float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        auto add = [&](int slot) {
+          const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial) + static_cast<int64_t>(slot) * 32 + lane);
+          sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+        };
         if (p.mode == 1) {
-          for (int j = 0; j < p.S; ++j) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial) + (static_cast<int64_t>(pc.u) * p.S + j) * 32 + lane);
-            sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-          }
+          for (int j = 0; j < p.S; ++j) add(pc.u * p.S + j);
         } else {
-          const long long a = static_cast<long long>(pc.u) * s.Kc, b = a + s.Kc;
-          for (int w = static_first_warp(s, a); w < s.W && range_at(s, w) < b; ++w) {
-            const long long f0 = range_at(s, w), f1 = range_at(s, w + 1);
-            if (!(f1 > f0 && f1 > a)) continue;
-            const int slot = 2 * w + ((f0 >= a) ? 0 : 1);
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(p.partial) + static_cast<int64_t>(slot) * 32 + lane);
-            sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-          }
+          for_each_static_piece(s, pc.u, add);
         }
         float sacc[1][4] = {{sum.x, sum.y, sum.z, sum.w}};
         store_mtile<1, kEpiPlain>(p.g, e, false, m, row0, nrows, 1, sacc);
@@ -334,12 +336,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS) warp_stream_kernel(const __g
       dequant_fragment(w, pair * p.g.scale_mul + p.g.scale_add, a);
       const uint32_t b0 = (s & 1) ? bh.z : bh.x;
       const uint32_t b1 = (s & 1) ? bh.w : bh.y;
-      float* d = acc;
-      asm volatile(
-          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-          "{%0,%1,%2,%3};\n"
-          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      mma_bf16_16816(acc, a, b0, b1);
     }
     pc.act += 128;
     --pc.cleft;
