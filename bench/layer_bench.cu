@@ -15,6 +15,32 @@
 
 namespace fp4moe::bench {
 
+SyntheticLayerRig make_synthetic_layer_rig(const MoeConfig& cfg, uint64_t seed, int64_t max_tokens, cudaStream_t s) {
+  const int E = cfg.num_experts;
+  std::fprintf(stderr, "building the synthetic %s layer on the GPU...\n", cfg.name.c_str());
+  SyntheticDeviceLayer syn = make_synthetic_layer_device(cfg, seed, s);
+  // Route uniformly at random, like the targets' baseline measurements (docs/performance-targets.md: random top-k):
+  // the synthetic correction bias would otherwise concentrate tokens on a few experts.
+  if (syn.weights.router_bias != nullptr)
+    FP4MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<float*>(syn.weights.router_bias), 0, E * sizeof(float), s));
+  SyntheticLayerRig r;
+  r.layer = std::make_unique<MoeLayer>(cfg, syn.weights, max_tokens, s);
+  // the baseline routes with the same bias; keep a copy before the synthetic buffers go
+  r.router_bias = DeviceBuffer<float>(syn.weights.router_bias ? E : 0);
+  if (syn.weights.router_bias)
+    FP4MOE_CUDA_CHECK(cudaMemcpyAsync(r.router_bias.get(), syn.weights.router_bias, E * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, s));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(s));
+  syn.buffers.clear();  // the layer holds its own repacked copy
+  r.ws = DeviceBuffer<uint8_t>(r.layer->workspace_bytes());
+  r.hidden = DeviceBuffer<uint16_t>(max_tokens * cfg.hidden);
+  r.out = DeviceBuffer<uint16_t>(max_tokens * cfg.hidden);
+  r.logits = DeviceBuffer<float>(max_tokens * E);
+  make_synthetic_hidden_device(cfg, seed, max_tokens, r.hidden.get(), s);
+  make_synthetic_router_logits_device(cfg, seed, max_tokens, r.logits.get(), s);
+  return r;
+}
+
 void run_layer_bench(const MoeConfig& cfg, const LayerBenchOptions& opt, const Ceilings& c, cudaStream_t s,
                      nlohmann::json& out) {
   const std::vector<int64_t> tokens =
@@ -23,23 +49,13 @@ void run_layer_bench(const MoeConfig& cfg, const LayerBenchOptions& opt, const C
   const int E = cfg.num_experts, k = cfg.top_k;
   const int64_t H = cfg.hidden, I = cfg.intermediate, Is = cfg.intermediate * cfg.num_shared;
 
-  std::fprintf(stderr, "building the synthetic %s layer on the GPU...\n", cfg.name.c_str());
-  SyntheticDeviceLayer syn = make_synthetic_layer_device(cfg, opt.seed, s);
-  // Route uniformly at random, like the targets' baseline measurements (docs/performance-targets.md: random top-k):
-  // the synthetic correction bias would otherwise concentrate tokens on a few experts.
-  if (syn.weights.router_bias != nullptr)
-    FP4MOE_CUDA_CHECK(cudaMemsetAsync(const_cast<float*>(syn.weights.router_bias), 0, E * sizeof(float), s));
-  MoeLayer layer(cfg, syn.weights, max_t, s);
-  // the baseline routes with the same bias; keep a copy before the synthetic buffers go
-  DeviceBuffer<float> router_bias(syn.weights.router_bias ? E : 0);
-  if (syn.weights.router_bias)
-    FP4MOE_CUDA_CHECK(cudaMemcpy(router_bias.get(), syn.weights.router_bias, E * sizeof(float), cudaMemcpyDeviceToDevice));
-  syn.buffers.clear();  // the layer holds its own repacked copy
-  DeviceBuffer<uint8_t> ws(layer.workspace_bytes());
-  DeviceBuffer<uint16_t> hidden(max_t * H), outb(max_t * H);
-  DeviceBuffer<float> logits(max_t * E);
-  make_synthetic_hidden_device(cfg, opt.seed, max_t, hidden.get(), s);
-  make_synthetic_router_logits_device(cfg, opt.seed, max_t, logits.get(), s);
+  SyntheticLayerRig rig = make_synthetic_layer_rig(cfg, opt.seed, max_t, s);
+  const MoeLayer& layer = *rig.layer;
+  DeviceBuffer<float>& router_bias = rig.router_bias;
+  DeviceBuffer<uint8_t>& ws = rig.ws;
+  DeviceBuffer<uint16_t>& hidden = rig.hidden;
+  DeviceBuffer<uint16_t>& outb = rig.out;
+  DeviceBuffer<float>& logits = rig.logits;
   const MoeIntermediates im = layer.intermediates(ws.get());
   const double expert_bytes = double(3 * H * I) * (0.5 + 1.0 / 16.0);
   const double shared_bytes = double(3 * H * Is) * (0.5 + 1.0 / 16.0);

@@ -11,12 +11,12 @@ namespace fp4moe {
 DeviceMoeLayer upload_moe_layer(const HostMoeLayer& l, cudaStream_t stream) {
   DeviceMoeLayer d;
   d.cfg = l.cfg;
-  // Synchronous copies from pageable memory (the host layer may be freed as soon as this returns);
-  // the buffers are allocated with the default (legacy) stream semantics, so `stream` sees them.
+  // Copies that have landed when they return (the host layer may be freed as soon as this returns, and
+  // `stream` may be a non-blocking stream, which is not ordered after a cudaMemcpy's DMA: copy_to_device).
   auto up = [&](const void* src, size_t bytes) -> const void* {
     if (bytes == 0) return nullptr;
     d.buffers.emplace_back(bytes);
-    FP4MOE_CUDA_CHECK(cudaMemcpy(d.buffers.back().get(), src, bytes, cudaMemcpyHostToDevice));
+    copy_to_device(d.buffers.back().get(), src, bytes);
     return d.buffers.back().get();
   };
   auto upf = [&](const std::vector<float>& v) {

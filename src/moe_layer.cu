@@ -320,14 +320,16 @@ std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int
   MoeConfig c = cfg;
   if (!shared_nvfp4) c.num_shared = 0;  // the caller runs the shared expert itself
   std::vector<MoeResolvedTileConfigs> out;
-  for (int64_t t = 1; t <= max_tokens; t *= 2) out.push_back(moe_layer_tile_configs(c, t, arch));
+  // at the resolution points 1, 2, 3, 4, 6, 8, 12, ... (tuner.hpp, layer_resolution_point)
+  for (int64_t t = 1; t <= max_tokens; t = next_layer_resolution_point(t))
+    out.push_back(moe_layer_tile_configs(c, t, arch));
   return out;
 }
 
 MoeResolvedTileConfigs pick_tiles(const std::vector<MoeResolvedTileConfigs>& auto_tiles,
                                   const MoeTileConfigs& overrides, int64_t tokens) {
-  size_t b = 0;
-  while (b + 1 < auto_tiles.size() && (int64_t{1} << (b + 1)) <= tokens) ++b;
+  size_t b = 0;  // auto_tiles[b] holds the configs of the b-th resolution point
+  for (int64_t t = 2; b + 1 < auto_tiles.size() && t <= tokens; t = next_layer_resolution_point(t)) ++b;
   MoeResolvedTileConfigs r = auto_tiles.at(b);
   if (overrides.gemm1) r.gemm1 = *overrides.gemm1;
   if (overrides.gemm2) r.gemm2 = *overrides.gemm2;

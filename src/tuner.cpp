@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 
@@ -157,26 +159,67 @@ bool in_build(const TileConfig& cfg) {
 // One table file, read and matched against the process's key.
 struct Table {
   fs::path file;
-  nlohmann::json doc;
+  std::shared_ptr<const nlohmann::json> doc;
   TuneKey key;
   std::vector<std::string> notes;  // differences that do not stop its use
 };
 
-// Reads `file`; returns false (with a note) when it cannot be used for `key`.
-bool read_table(const fs::path& file, const TuneKey& key, Table& t, std::vector<std::string>& notes) {
+// A table file parsed once per process while its size and modification time stay the same. Why: the
+// layer looks up four problems at every resolution point when it is built (~30 for 16k tokens), and a
+// directory of tables holds megabytes of JSON; parsing them at each lookup made a layer's construction
+// take seconds (an EP test went from 8 to 47 s when the tables and the points doubled).
+struct ParsedTable {
+  fs::file_time_type mtime{};
+  uintmax_t size = 0;
+  std::shared_ptr<const nlohmann::json> doc;
+  TuneKey key;
+  std::string error;  // why it cannot be used ("" when doc is set)
+};
+
+ParsedTable parse_table(const fs::path& file) {
+  static std::mutex mu;
+  static std::map<std::string, ParsedTable> cache;
+  std::error_code ec1, ec2;
+  const auto mtime = fs::last_write_time(file, ec1);
+  const auto size = fs::file_size(file, ec2);
+  const bool stamped = !ec1 && !ec2;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(file.string());
+    if (stamped && it != cache.end() && it->second.mtime == mtime && it->second.size == size) return it->second;
+  }
+  ParsedTable p;
+  p.mtime = mtime;
+  p.size = size;
   std::ifstream in(file);
   if (!in) {
-    notes.push_back(fmt::format("tuner table {} cannot be read", file.string()));
-    return false;
+    p.error = fmt::format("tuner table {} cannot be read", file.string());
+    return p;  // not cached: it may become readable
   }
   try {
-    t.file = file;
-    t.doc = nlohmann::json::parse(in);
-    t.key = tune_key_from_json(t.doc);
+    auto doc = std::make_shared<nlohmann::json>(nlohmann::json::parse(in));
+    p.key = tune_key_from_json(*doc);
+    p.doc = std::move(doc);
   } catch (const std::exception& e) {
-    notes.push_back(fmt::format("tuner table {} is corrupt ({})", file.string(), e.what()));
+    p.error = fmt::format("tuner table {} is corrupt ({})", file.string(), e.what());
+  }
+  if (stamped) {
+    std::lock_guard<std::mutex> lock(mu);
+    cache[file.string()] = p;
+  }
+  return p;
+}
+
+// Reads `file`; returns false (with a note) when it cannot be used for `key`.
+bool read_table(const fs::path& file, const TuneKey& key, Table& t, std::vector<std::string>& notes) {
+  const ParsedTable p = parse_table(file);
+  if (!p.error.empty()) {
+    notes.push_back(p.error);
     return false;
   }
+  t.file = file;
+  t.doc = p.doc;
+  t.key = p.key;
   const std::string why = tune_key_mismatch(t.key, key, &t.notes);
   if (!why.empty()) {
     notes.push_back(fmt::format("tuner table {}: {}", file.string(), why));
@@ -189,18 +232,14 @@ bool read_table(const fs::path& file, const TuneKey& key, Table& t, std::vector<
 bool lookup_in_table(const Table& t, const TuneProblem& problem, int64_t tokens, TuneLookup& out,
                      std::vector<std::string>& notes) {
   try {
-    for (const auto& entry : t.doc.at("entries")) {
+    for (const auto& entry : t.doc->at("entries")) {
       if (entry.at("problem_key").get<std::string>() != problem.key()) continue;
+      std::vector<int64_t> tuned;
+      for (const auto& b : entry.at("buckets")) tuned.push_back(b.at("tokens").get<int64_t>());
+      const int64_t best_tokens = serving_bucket(tuned, tokens);
       const nlohmann::json* best = nullptr;
-      int64_t best_tokens = -1;
-      const nlohmann::json* smallest = nullptr;
-      int64_t smallest_tokens = LLONG_MAX;
-      for (const auto& b : entry.at("buckets")) {
-        const int64_t tk = b.at("tokens").get<int64_t>();
-        if (tk <= tokens && tk > best_tokens) best = &b, best_tokens = tk;
-        if (tk < smallest_tokens) smallest = &b, smallest_tokens = tk;
-      }
-      if (best == nullptr) best = smallest, best_tokens = smallest_tokens;
+      for (const auto& b : entry.at("buckets"))
+        if (b.at("tokens").get<int64_t>() == best_tokens) best = &b;
       if (best == nullptr) break;
       std::vector<std::string> skipped_notes;
       TileConfig cfg = tile_config_from_json(best->at("best"));
@@ -232,10 +271,9 @@ bool lookup_in_table(const Table& t, const TuneProblem& problem, int64_t tokens,
       out.source = "tuned table " + t.file.string();
       out.notes = t.notes;
       out.notes.insert(out.notes.end(), skipped_notes.begin(), skipped_notes.end());
-      out.reason = fmt::format("measured best for {} at bucket T = {} ({} tokens asked{}); table key {}, "
-                               "{}, {} SMs",
-                               problem.key(), best_tokens, tokens,
-                               best_tokens <= tokens ? ": largest tuned bucket <= T" : ": below every bucket",
+      out.reason = fmt::format("measured best for {} at bucket T = {} ({} tokens asked: the tuned bucket nearest "
+                               "to {} on a log scale); table key {}, {}, {} SMs",
+                               problem.key(), best_tokens, tokens, layer_resolution_point(tokens),
                                t.key.gpu, t.key.cc, t.key.sms > 0 ? std::to_string(t.key.sms) : "?");
       for (const auto& n : out.notes) out.reason += "; " + n;
       return true;
@@ -400,6 +438,45 @@ nlohmann::json merge_tune_cache(const nlohmann::json& existing, const nlohmann::
     if (!found) entries.push_back(e);
   }
   return out;
+}
+
+int64_t serving_bucket(const std::vector<int64_t>& buckets, int64_t tokens) {
+  const int64_t p = layer_resolution_point(tokens);
+  int64_t lo = -1, hi = -1;  // the nearest buckets <= p and > p
+  for (int64_t b : buckets) {
+    if (b <= p && b > lo) lo = b;
+    if (b > p && (hi < 0 || b < hi)) hi = b;
+  }
+  if (lo < 0) return hi;
+  if (hi < 0) return lo;
+  // log-nearest: p / lo against hi / p, i.e. p^2 against lo x hi (exact in doubles for the sizes here)
+  return static_cast<double>(p) * static_cast<double>(p) > static_cast<double>(lo) * static_cast<double>(hi) ? hi : lo;
+}
+
+std::vector<TileConfig> tuner_bucket_candidates(const nlohmann::json& bucket, int n) {
+  FP4MOE_REQUIRE(n >= 1, "tuner_bucket_candidates: n = {} must be >= 1", n);
+  FP4MOE_REQUIRE(bucket.is_object() && bucket.contains("timings") && bucket.contains("rows_per_expert"),
+                 "tuner bucket: expected an object with \"timings\" and \"rows_per_expert\"");
+  const double rows = bucket.at("rows_per_expert").get<double>();
+  const bool fused = bucket.value("shared_expert_fused", true);
+  std::vector<std::pair<double, TileConfig>> eligible;
+  for (const auto& t : bucket.at("timings")) {
+    const TileConfig c = tile_config_from_json(t.at("cfg"));
+    if (tuner_may_pick(c, rows, fused) && in_build(c)) eligible.emplace_back(t.at("median_us").get<double>(), c);
+  }
+  std::stable_sort(eligible.begin(), eligible.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<TileConfig> out;
+  for (size_t i = 0; i < eligible.size() && out.size() < static_cast<size_t>(n); ++i) out.push_back(eligible[i].second);
+  return out;
+}
+
+size_t choose_layer_pair(const std::vector<double>& scores, double margin) {
+  FP4MOE_REQUIRE(!scores.empty(), "choose_layer_pair: no pairs were timed");
+  FP4MOE_REQUIRE(margin >= 0.0 && margin < 1.0, "choose_layer_pair: margin = {} must be in [0, 1)", margin);
+  size_t best = 0;
+  for (size_t i = 1; i < scores.size(); ++i)
+    if (scores[i] < scores[best]) best = i;
+  return best != 0 && scores[best] < 1.0 - margin ? best : 0;
 }
 
 }  // namespace fp4moe

@@ -152,19 +152,19 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
           h_scales[i] = static_cast<uint8_t>(0x08 + ((sbits >> (8 * (i % 8))) & 0xff) % (0x70 - 0x08 + 1));
         }
         for (auto& g : h_gs) g = 1.0f / 64.0f;
-        FP4MOE_CUDA_CHECK(cudaMemcpy(raw_codes.p, h_codes.data(), codes_bytes, cudaMemcpyHostToDevice));
-        FP4MOE_CUDA_CHECK(cudaMemcpy(raw_scales.p, h_scales.data(), scales_bytes, cudaMemcpyHostToDevice));
+        copy_to_device(raw_codes.p, h_codes.data(), codes_bytes);
+        copy_to_device(raw_scales.p, h_scales.data(), scales_bytes);
         s.codes = std::make_unique<DeviceBuffer>(codes_bytes);
         s.scales = std::make_unique<DeviceBuffer>(scales_bytes);
         repack_nvfp4_weights_device(raw_codes.as<uint8_t>(), raw_scales.as<uint8_t>(), static_cast<int>(E), n, k,
                                     swiglu, s.codes->as<uint8_t>(), s.scales->as<uint8_t>(), stream);
         s.gscale = std::make_unique<DeviceBuffer>(static_cast<size_t>(E) * 4);
-        FP4MOE_CUDA_CHECK(cudaMemcpy(s.gscale->p, h_gs.data(), static_cast<size_t>(E) * 4, cudaMemcpyHostToDevice));
+        copy_to_device(s.gscale->p, h_gs.data(), static_cast<size_t>(E) * 4);
         std::vector<uint16_t> h_act(static_cast<size_t>(max_rows) * k);
         std::normal_distribution<float> nd(0.0f, 1.0f);
         for (auto& a : h_act) a = bf16_bits(nd(rng));
         s.act = std::make_unique<DeviceBuffer>(act_bytes);
-        FP4MOE_CUDA_CHECK(cudaMemcpy(s.act->p, h_act.data(), act_bytes, cudaMemcpyHostToDevice));
+        copy_to_device(s.act->p, h_act.data(), act_bytes);
         s.offsets = std::make_unique<DeviceBuffer>(static_cast<size_t>(E + 1) * 4);
         s.out = std::make_unique<DeviceBuffer>(out_bytes);
       }
@@ -193,7 +193,7 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
           }
         std::vector<int32_t> offs(static_cast<size_t>(E + 1), 0);
         for (int64_t e = 0; e < E; ++e) offs[e + 1] = offs[e] + counts[e];
-        FP4MOE_CUDA_CHECK(cudaMemcpy(s.offsets->p, offs.data(), offs.size() * 4, cudaMemcpyHostToDevice));
+        copy_to_device(s.offsets->p, offs.data(), offs.size() * 4);
       }
       const int64_t rows = T * pr.top_k;
       nlohmann::json bucket;

@@ -13,6 +13,7 @@
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/error.hpp"
 #include "fp4moe/tuner.hpp"
+#include "layer_tune.hpp"
 
 namespace fp4moe::cli {
 
@@ -27,6 +28,11 @@ struct TuneArgs {
   std::string epilogue = "plain";
   int reps = 15, warmup = 3;
   bool quiet = false;
+  // --in-layer N: decide the routed pair of each bucket by timing the layer (bench/layer_tune.hpp)
+  int in_layer = 0;
+  bool layer_only = false;
+  int layer_rounds = 3;
+  double layer_margin = 0.01;
 };
 
 std::vector<int64_t> parse_buckets(const std::string& s) {
@@ -63,7 +69,23 @@ void register_tune(CLI::App& app) {
   cmd->add_option("--reps", a->reps, "timed launches per config (median kept)");
   cmd->add_option("--warmup", a->warmup, "untimed launches per config");
   cmd->add_flag("--quiet", a->quiet, "no progress bar");
+  cmd->add_option("--in-layer", a->in_layer,
+                  "with --model: then time the whole layer (graph replay) with the table's pair of routed picks and "
+                  "with pairs of each GEMM's N fastest configs, per bucket, and keep the fastest pair in the layer "
+                  "(recorded as \"layer_pick\")");
+  cmd->add_flag("--layer-only", a->layer_only,
+                "with --in-layer: skip the GEMM-alone timing and decide the buckets of the existing --out table");
+  cmd->add_option("--layer-rounds", a->layer_rounds, "with --in-layer: passes over the pairs (median kept)");
+  cmd->add_option("--layer-margin", a->layer_margin,
+                  "with --in-layer: fraction by which a pair must beat the table's pair in the layer");
   cmd->callback([a]() {
+    FP4MOE_REQUIRE(a->in_layer >= 0, "--in-layer = {} must be >= 1 (configs per GEMM), or absent", a->in_layer);
+    FP4MOE_REQUIRE(a->in_layer == 0 || !a->model.empty(), "--in-layer needs --model (it times the model's layer)");
+    FP4MOE_REQUIRE(!a->layer_only || a->in_layer > 0, "--layer-only needs --in-layer N");
+    FP4MOE_REQUIRE(!a->layer_only || !a->out.empty(), "--layer-only needs --out: the table whose buckets it decides");
+    FP4MOE_REQUIRE(a->layer_rounds >= 1, "--layer-rounds = {} must be >= 1", a->layer_rounds);
+    FP4MOE_REQUIRE(a->layer_margin >= 0.0 && a->layer_margin < 1.0, "--layer-margin = {} must be in [0, 1)",
+                   a->layer_margin);
     FP4MOE_REQUIRE(gpu_available(), "fp4moe tune needs a CUDA GPU (none is usable here)");
     std::vector<TuneProblem> problems;
     if (!a->model.empty()) {
@@ -113,7 +135,20 @@ void register_tune(CLI::App& app) {
     opt.reps = a->reps;
     opt.warmup = a->warmup;
     opt.progress = !a->quiet;
-    nlohmann::json doc = run_tuner(problems, opt);
+    nlohmann::json doc;
+    if (a->layer_only) {
+      std::ifstream in(a->out);
+      FP4MOE_REQUIRE(static_cast<bool>(in), "--out {}: cannot open the table to decide in the layer", a->out);
+      try {
+        doc = nlohmann::json::parse(in);
+      } catch (const std::exception& e) {
+        FP4MOE_FAIL("--out {}: not a JSON tuner table ({})", a->out, e.what());
+      }
+      const std::string why = tune_key_mismatch(tune_key_from_json(doc), current_tune_key(), nullptr);
+      FP4MOE_REQUIRE(why.empty(), "--out {}: its timings are not of this GPU: {}", a->out, why);
+    } else {
+      doc = run_tuner(problems, opt);
+    }
 
     std::string out = a->out;
     if (out.empty()) {
@@ -125,11 +160,29 @@ void register_tune(CLI::App& app) {
         out = "tune-" + gpu + ".json";
       }
     }
-    nlohmann::json existing;
-    if (std::ifstream in(out); in) {
-      try { existing = nlohmann::json::parse(in); } catch (const std::exception&) { existing = nullptr; }
+    if (!a->layer_only) {
+      nlohmann::json existing;
+      if (std::ifstream in(out); in) {
+        try { existing = nlohmann::json::parse(in); } catch (const std::exception&) { existing = nullptr; }
+      }
+      doc = merge_tune_cache(existing, doc);
     }
-    doc = merge_tune_cache(existing, doc);
+    if (a->in_layer > 0) {
+      bench::LayerTuneOptions lo;
+      lo.buckets = opt.buckets;
+      lo.candidates = a->in_layer;
+      lo.rounds = a->layer_rounds;
+      lo.margin = a->layer_margin;
+      cudaStream_t stream = nullptr;
+      FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      try {
+        bench::tune_pairs_in_layer(preset(a->model), problems[0].key(), problems[1].key(), doc, lo, stream);
+      } catch (...) {
+        cudaStreamDestroy(stream);
+        throw;
+      }
+      FP4MOE_CUDA_CHECK(cudaStreamDestroy(stream));
+    }
     std::ofstream f(out);
     FP4MOE_REQUIRE(static_cast<bool>(f), "--out {}: cannot open for writing", out);
     f << doc.dump(2) << "\n";

@@ -41,6 +41,17 @@ std::string device_malloc_failure_message(size_t bytes, const char* what, cudaEr
 // "1,234,567,890 B (1.15 GiB)"
 std::string bytes_for_humans(size_t bytes);
 
+// Host -> device copy whose bytes are in device memory when it returns, whatever stream reads them next.
+// Why not cudaMemcpy: from pageable memory it may return once the data is staged, before the DMA reaches
+// device memory (CUDA runtime docs, "API synchronization behavior"), and a kernel queued next on a
+// non-blocking stream is not ordered after that DMA: it can read the allocation's old bytes (a GPU test
+// read stale rows that way). The copy goes on the default stream, which is then synchronized.
+inline void copy_to_device(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  FP4MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, 0));
+  FP4MOE_CUDA_CHECK(cudaStreamSynchronize(0));
+}
+
 // True when a CUDA device is usable. Never throws: used to decide CPU reference vs GPU and to skip
 // GPU tests.
 bool gpu_available();

@@ -45,7 +45,7 @@ class DeviceBuffer {
 
   void upload(const std::vector<T>& host) {
     FP4MOE_REQUIRE(host.size() == count_, "upload: host size {} != device size {}", host.size(), count_);
-    if (count_) FP4MOE_CUDA_CHECK(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice));
+    copy_to_device(ptr_, host.data(), bytes());
   }
   std::vector<T> download() const {
     std::vector<T> host(count_);

@@ -77,7 +77,8 @@ std::string tune_cache_path();
 
 // Looks the problem up in `path` (a JSON file, or a directory whose *.json files are tried in order)
 // for `key`. Among the tables of this GPU (tune_key_mismatch() == ""), one measured over this build's
-// config list is preferred. The bucket used is the largest tuned bucket <= tokens, else the smallest;
+// config list is preferred. The bucket used is serving_bucket() of the tuned buckets (the nearest to T's
+// resolution point on a log scale);
 // when the bucket's best config is not in this build, the fastest measured config that is takes its
 // place (with a note). Never throws: a missing, foreign or corrupt table gives no config and a reason;
 // with warn = true the reason is also printed on stderr, once per distinct message per process.
@@ -109,6 +110,46 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
 // one new bucket extends a table), sorted by T; a new problem is added; the provenance becomes the new
 // run's. Returns the new document. A different key or format replaces the document.
 nlohmann::json merge_tune_cache(const nlohmann::json& existing, const nlohmann::json& fresh);
+
+// ---- which bucket serves a token count ----
+// The layer resolves its configs at the token counts 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (the powers of two
+// and 1.5 x the powers of two), once, at construction; T tokens run with the configs of the largest such
+// point <= T. A lookup for T takes the tuned bucket nearest to T's point on a log scale (ties to the
+// smaller bucket), so a bucket B serves the points from about B / 1.4 to B x 1.4. Why not "the largest
+// bucket <= T": between two buckets the tile that wins changes with the rows per expert, and with that
+// rule T = 255 ran on the T = 128 bucket's picks (GLM-5: 20% slower in the layer than on the T = 256
+// picks; bench/NOTES.md, seventeenth session).
+constexpr int64_t layer_resolution_point(int64_t tokens) {
+  if (tokens <= 1) return 1;
+  int64_t p = 1;
+  while (p * 2 <= tokens) p *= 2;  // the largest power of two <= tokens
+  return p >= 2 && p / 2 * 3 <= tokens ? p / 2 * 3 : p;
+}
+constexpr int64_t next_layer_resolution_point(int64_t point) {
+  const int64_t p = layer_resolution_point(point);
+  // after 2^k comes 1.5 x 2^k (from 2: 3), after 1.5 x 2^k comes 2^(k+1); 1 is followed by 2
+  return p == 1 ? 2 : (p & (p - 1)) == 0 ? p / 2 * 3 : p / 3 * 4;
+}
+// The bucket of `buckets` (any order, positive) that serves `tokens`: nearest to layer_resolution_point
+// on a log scale, ties to the smaller. -1 when there are none.
+int64_t serving_bucket(const std::vector<int64_t>& buckets, int64_t tokens);
+
+// ---- picks decided inside the layer (`fp4moe tune --in-layer`; the layer timing runs in the tool) ----
+// The tuner times each GEMM alone. In the layer a GEMM also runs under its predecessor's tail
+// (programmatic dependent launch: a stream config builds its schedule and fills its weight ring there)
+// and, at decode, with the shared expert's rows fused into it, so picks that lie within a few percent of
+// each other alone can order differently in the layer (bench/NOTES.md). The in-layer mode times the layer
+// with the table's pair of routed picks (the incumbent) and with pairs of each GEMM's fastest eligible
+// configs, alternating the pairs over rounds, and keeps a challenger only when it beats the incumbent
+// by a margin. Its record is the bucket's "layer_pick" (tune/README.md).
+//
+// The n fastest configs of a tuned bucket that the tuner may pick there (tuner_may_pick with the bucket's
+// rows per expert and recorded rule), fastest first. Throws fp4moe::Error on a malformed bucket.
+std::vector<TileConfig> tuner_bucket_candidates(const nlohmann::json& bucket, int n);
+// Which timed pair to keep. scores[i] is pair i's layer time relative to the incumbent's (the mean over
+// the token counts timed of median / incumbent's median); scores[0] is the incumbent's own (1). Returns
+// the index of the lowest score when it is below 1 - margin, else 0 (the incumbent stays).
+size_t choose_layer_pair(const std::vector<double>& scores, double margin);
 
 std::string epilogue_name(GemmEpilogue e);
 nlohmann::json tile_config_to_json(const TileConfig& c);

@@ -610,7 +610,7 @@ class Layer {
                   device_str(t.device_type, t.device_id), device_);
     const size_t bytes = static_cast<size_t>(t.numel()) * ((t.dtype.bits * t.dtype.lanes + 7) / 8);
     staged_.emplace_back(std::max<size_t>(bytes, 16));
-    if (bytes) FP4MOE_CUDA_CHECK(cudaMemcpy(staged_.back().get(), t.data, bytes, cudaMemcpyHostToDevice));
+    copy_to_device(staged_.back().get(), t.data, bytes);
     return staged_.back().get();
   }
   std::vector<float> host_floats(const Tensor& t) {
@@ -624,7 +624,7 @@ class Layer {
   }
   const float* upload_floats(const std::vector<float>& v) {
     staged_.emplace_back(std::max<size_t>(v.size() * 4, 16));
-    FP4MOE_CUDA_CHECK(cudaMemcpy(staged_.back().get(), v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+    copy_to_device(staged_.back().get(), v.data(), v.size() * 4);
     return staged_.back().as<float>();
   }
 

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "fp4moe/config.hpp"
 #include "fp4moe/error.hpp"
@@ -85,8 +86,11 @@ TEST_F(TuneTables, ValidTableGivesTheTunedConfigPerBucket) {
   const std::string path = write("t.json", valid_doc(key_).dump());
   const TuneLookup l = lookup_tuned_config(problem_, 100, key_, path);
   ASSERT_TRUE(l.config.has_value()) << l.reason;
-  EXPECT_EQ(*l.config, kGemmConfigs[1]);  // largest bucket <= 100 is 32
+  EXPECT_EQ(*l.config, kGemmConfigs[1]);  // 100 runs at point 96, nearer 32 than 512 on a log scale
   EXPECT_EQ(l.bucket, 32);
+  EXPECT_NE(l.reason.find("nearest"), std::string::npos) << l.reason;
+  // 200 runs at point 192: 192 / 32 = 6 > 512 / 192, so the T = 512 bucket serves it
+  EXPECT_EQ(lookup_tuned_config(problem_, 200, key_, path).bucket, 512);
   EXPECT_EQ(l.table, path);
   EXPECT_EQ(l.source, "tuned table " + path);
   EXPECT_TRUE(l.notes.empty()) << l.reason;
@@ -274,6 +278,73 @@ TEST_F(TuneTables, MergeReplacesAndAddsBucketsAndTakesTheNewProvenance) {
 }
 
 // The shipped tables (tune/) serve an H200 whatever its driver, runtime and fp4moe version.
+// Where the layer resolves its configs, and which tuned bucket serves a token count.
+TEST(TuneBuckets, ResolutionPointsArePowersOfTwoAndOneAndAHalfTimesThem) {
+  const int64_t points[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024};
+  for (size_t i = 0; i + 1 < std::size(points); ++i) {
+    EXPECT_EQ(next_layer_resolution_point(points[i]), points[i + 1]) << points[i];
+    for (int64_t t = points[i]; t < points[i + 1]; ++t) EXPECT_EQ(layer_resolution_point(t), points[i]) << t;
+  }
+  EXPECT_EQ(layer_resolution_point(0), 1);
+  EXPECT_EQ(layer_resolution_point(16383), 12288);
+  EXPECT_EQ(layer_resolution_point(16384), 16384);
+}
+
+TEST(TuneBuckets, TheBucketNearestOnALogScaleServesTiesToTheSmaller) {
+  const std::vector<int64_t> b{128, 1, 8, 32, 256, 2};  // any order
+  EXPECT_EQ(serving_bucket(b, 1), 1);
+  EXPECT_EQ(serving_bucket(b, 3), 2);      // point 3: 3 / 2 < 8 / 3
+  EXPECT_EQ(serving_bucket(b, 4), 2);      // 4 x 4 = 2 x 8: the tie goes to the smaller
+  EXPECT_EQ(serving_bucket(b, 7), 8);      // point 6: 36 > 16
+  EXPECT_EQ(serving_bucket(b, 16), 8);     // 16 x 16 = 8 x 32
+  EXPECT_EQ(serving_bucket(b, 24), 32);
+  EXPECT_EQ(serving_bucket(b, 191), 128);  // point 128 itself
+  EXPECT_EQ(serving_bucket(b, 192), 256);  // point 192: 192 x 192 > 128 x 256
+  EXPECT_EQ(serving_bucket(b, 100000), 256);
+  EXPECT_EQ(serving_bucket({512}, 1), 512);  // below every bucket: the smallest
+  EXPECT_EQ(serving_bucket({}, 8), -1);
+}
+
+// The in-layer mode's two decisions (bench/layer_tune.cpp times the layer; these choose).
+TEST(TuneInLayer, CandidatesAreTheFastestConfigsTheTunerMayPick) {
+  // Two stream configs and a tma config, timed at 0.5 rows per expert with a fused shared expert: the
+  // tma config is the fastest but not eligible there (tuner_may_pick); it is when nothing is fused.
+  std::vector<TileConfig> streams;
+  for (const TileConfig& c : kGemmConfigs)
+    if (c.mma == 2) streams.push_back(c);
+  ASSERT_GE(streams.size(), 2u);
+  const TileConfig s1 = streams[0], s2 = streams[1], tma{128, 64, 128, 8, 8, 3};
+  nlohmann::json b;
+  b["tokens"] = 16;
+  b["rows_per_expert"] = 0.5;
+  b["shared_expert_fused"] = true;
+  b["timings"] = nlohmann::json::array();
+  for (auto [c, us] : {std::pair{s1, 30.0}, {tma, 20.0}, {s2, 25.0}})
+    b["timings"].push_back({{"config", c.name()}, {"cfg", tile_config_to_json(c)}, {"median_us", us}});
+  std::vector<TileConfig> got = tuner_bucket_candidates(b, 3);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0], s2);
+  EXPECT_EQ(got[1], s1);
+  EXPECT_EQ(tuner_bucket_candidates(b, 1).size(), 1u);
+  b["shared_expert_fused"] = false;
+  got = tuner_bucket_candidates(b, 2);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0], tma);
+  EXPECT_EQ(got[1], s2);
+  EXPECT_THROW(tuner_bucket_candidates(b, 0), Error);
+  EXPECT_THROW(tuner_bucket_candidates(nlohmann::json::object(), 2), Error);
+}
+
+TEST(TuneInLayer, AChallengerIsKeptOnlyWhenItBeatsTheTablesPairByTheMargin) {
+  EXPECT_EQ(choose_layer_pair({1.0}, 0.01), 0u);
+  EXPECT_EQ(choose_layer_pair({1.0, 0.995, 1.02}, 0.01), 0u);   // within the margin: the table stays
+  EXPECT_EQ(choose_layer_pair({1.0, 0.985, 0.97}, 0.01), 2u);   // the lowest score wins
+  EXPECT_EQ(choose_layer_pair({1.0, 0.97, 0.97}, 0.01), 1u);    // a tie keeps the first timed
+  EXPECT_EQ(choose_layer_pair({1.0, 0.999}, 0.0), 1u);
+  EXPECT_THROW(choose_layer_pair({}, 0.01), Error);
+  EXPECT_THROW(choose_layer_pair({1.0}, 1.0), Error);
+}
+
 TEST(ShippedTuneTables, ServeAnyH200Install) {
   const std::string dir = std::string(FP4MOE_TEST_SOURCE_DIR) + "/tune";
   TuneKey h200;
@@ -344,7 +415,26 @@ TEST(ShippedTuneTables, ServeAnyH200Install) {
             fastest = std::min(fastest, t.at("median_us").get<double>());
         // A bucket may keep a slower pick only where a same-machine layer A/B overruled the GEMM-alone
         // timing; its "pick_note" names the result file, and the pick is still one of its timings.
-        if (b.contains("pick_note")) {
+        if (b.contains("layer_pick")) {
+          // Decided in the layer (`fp4moe tune --in-layer`): the pick is the kept pair's config, the kept
+          // pair is what choose_layer_pair makes of the recorded scores, and the record is complete.
+          const auto& lp = b.at("layer_pick");
+          const auto& pairs = lp.at("pairs");
+          ASSERT_FALSE(pairs.empty()) << f << " T=" << b.at("tokens");
+          std::vector<double> scores;
+          for (const auto& p : pairs) {
+            scores.push_back(p.at("score").get<double>());
+            EXPECT_EQ(p.at("layer_us").size(), lp.at("tokens_timed").size()) << f;
+          }
+          EXPECT_DOUBLE_EQ(scores[0], 1.0) << f << " T=" << b.at("tokens");
+          const size_t chosen = lp.at("chosen").get<size_t>();
+          EXPECT_EQ(chosen, choose_layer_pair(scores, lp.at("margin").get<double>())) << f << " T=" << b.at("tokens");
+          const bool is_gemm1 = e.at("problem").at("n").get<int64_t>() == pc.gemm1_n();
+          EXPECT_EQ(b.at("best_name"), pairs.at(chosen).at(is_gemm1 ? "gemm1" : "gemm2")) << f << " T=" << b.at("tokens");
+          bool timed = false;
+          for (const auto& t : b.at("timings")) timed = timed || t.at("config") == b.at("best_name");
+          EXPECT_TRUE(timed) << f << " T=" << b.at("tokens");
+        } else if (b.contains("pick_note")) {
           EXPECT_NE(b.at("pick_note").get<std::string>().find("bench/results/"), std::string::npos) << f;
           bool timed = false;
           for (const auto& t : b.at("timings")) timed = timed || t.at("config") == b.at("best_name");

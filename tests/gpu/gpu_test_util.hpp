@@ -19,7 +19,7 @@ namespace fp4moe::test {
 template <class T>
 DeviceBuffer<uint8_t> upload(const std::vector<T>& v) {
   DeviceBuffer<uint8_t> b(std::max<size_t>(v.size() * sizeof(T), 16));
-  if (!v.empty()) FP4MOE_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  copy_to_device(b.get(), v.data(), v.size() * sizeof(T));
   return b;
 }
 template <class T>

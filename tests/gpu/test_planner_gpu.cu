@@ -55,13 +55,13 @@ TEST(PlannerGpu, EveryConfigFitsAndLaunchesWithPlannerBytes) {
   FP4MOE_CUDA_CHECK(cudaMemset(raw_scales, 0x38, sb));
   FP4MOE_CUDA_CHECK(cudaMalloc(&gs, E * sizeof(float)));
   const float h_gs[E] = {1.0f, 1.0f};
-  FP4MOE_CUDA_CHECK(cudaMemcpy(gs, h_gs, sizeof(h_gs), cudaMemcpyHostToDevice));
+  copy_to_device(gs, h_gs, sizeof(h_gs));
   FP4MOE_CUDA_CHECK(cudaMalloc(&act, rows * K * 2));
   FP4MOE_CUDA_CHECK(cudaMemset(act, 0, rows * K * 2));
   FP4MOE_CUDA_CHECK(cudaMalloc(&out, rows * N * 2));
   FP4MOE_CUDA_CHECK(cudaMalloc(&offs, (E + 1) * sizeof(int32_t)));
   const int32_t h_offs[E + 1] = {0, 3, 3};
-  FP4MOE_CUDA_CHECK(cudaMemcpy(offs, h_offs, sizeof(h_offs), cudaMemcpyHostToDevice));
+  copy_to_device(offs, h_offs, sizeof(h_offs));
 
   for (GemmEpilogue epi : {GemmEpilogue::kPlain, GemmEpilogue::kSwiGLU}) {
     const bool swiglu = epi != GemmEpilogue::kPlain;

@@ -47,7 +47,7 @@ void check_shape(int64_t rows, int64_t cols, uint32_t seed) {
   std::mt19937 rng(seed);
   const std::vector<uint16_t> x = make_input(rng, rows, cols);
   DeviceBuffer dx(x.size() * 2), dcodes(rows * cols / 2), dscales(rows * cols / 16), dglobal(rows * 4);
-  FP4MOE_CUDA_CHECK(cudaMemcpy(dx.ptr, x.data(), x.size() * 2, cudaMemcpyHostToDevice));
+  copy_to_device(dx.ptr, x.data(), x.size() * 2);
   // Poison the outputs so that a byte the kernel forgets to write cannot match by luck.
   FP4MOE_CUDA_CHECK(cudaMemset(dcodes.ptr, 0xa5, rows * cols / 2));
   FP4MOE_CUDA_CHECK(cudaMemset(dscales.ptr, 0xa5, rows * cols / 16));
