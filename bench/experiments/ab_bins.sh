@@ -8,10 +8,12 @@
 #
 # CMD is the command prefix that runs one fp4moe binary, e.g. 'base=.carry/base/fp4moe' or
 # 'pf16=env FP4MOE_EXP_L2_PREFETCH=16 .carry/dev/fp4moe'. Each round runs every variant's
-# `bench --model MODELS --tokens TOKENS --no-baseline $AB_ARGS` in the order given (AB_ARGS: extra bench
+# `bench --model MODELS --tokens TOKENS --no-baseline $AB_ARGS` (AB_ARGS: extra bench
 # arguments, e.g. "--mode gemm" for the two expert GEMMs alone); OUTDIR/ab.txt keeps each run's ceilings
 # and rows, OUTDIR/ab-summary.txt the median time, read-ceiling and bf16-rate ratios per (model, tokens,
-# variant) with the spread over the rounds.
+# variant) with the spread over the rounds. Odd rounds run the variants in the order given, even rounds
+# in the reverse order (A B, B A, ...), so a variant's place in a round does not favour it
+# (bench/NOTES.md, eighteenth session); AB_ORDER=fixed keeps the given order.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: ab_bins.sh OUTDIR MODELS TOKENS ROUNDS LABEL=CMD ...}
@@ -24,7 +26,12 @@ mkdir -p "$OUT"
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   for round in $(seq 1 "$ROUNDS"); do
-    for v in "$@"; do
+    order=("$@")
+    if [ "${AB_ORDER:-alternate}" != fixed ] && [ $((round % 2)) -eq 0 ]; then
+      order=()
+      for ((i = $#; i >= 1; --i)); do order+=("${!i}"); done
+    fi
+    for v in "${order[@]}"; do
       label=${v%%=*}
       cmd=${v#*=}
       echo "== round $round, variant $label ($cmd), $(date +%T)"
