@@ -125,7 +125,8 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeConfig& cfg, int64_t max_tokens
                                         bool bf16_shared = false);
 // The tile configs the layer picks at T tokens on an architecture: choose_config (tuner.hpp: a tuner
 // table when `arch` is the present GPU, else heuristic_tile_config) for GEMM1, GEMM2 and the shared
-// expert's two GEMMs. MoeLayer calls it with arch_from_device(device) for T = 1, 2, 4 ... max_tokens.
+// expert's two GEMMs. MoeLayer calls it with arch_from_device(device) at each resolution point up to
+// max_tokens (tuner.hpp, layer_resolution_point).
 // Every pick is planner-valid on `arch`. With an arch from the table (arch_from_name) it needs no GPU,
 // which is how tests and `fp4moe explain --arch` see another GPU's choice. `why`, if given, receives
 // the four lookups (GEMM1, GEMM2, shared GEMM1, shared GEMM2; the last two only with a shared expert).

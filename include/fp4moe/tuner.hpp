@@ -77,8 +77,8 @@ std::string tune_cache_path();
 
 // Looks the problem up in `path` (a JSON file, or a directory whose *.json files are tried in order)
 // for `key`. Among the tables of this GPU (tune_key_mismatch() == ""), one measured over this build's
-// config list is preferred. The bucket used is serving_bucket() of the tuned buckets (the nearest to T's
-// resolution point on a log scale);
+// config list is preferred. The bucket used is serving_bucket() of the tuned buckets (the bucket at T's
+// resolution point, else the nearest to T's coarse point on a log scale);
 // when the bucket's best config is not in this build, the fastest measured config that is takes its
 // place (with a note). Never throws: a missing, foreign or corrupt table gives no config and a reason;
 // with warn = true the reason is also printed on stderr, once per distinct message per process.
@@ -112,26 +112,48 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
 nlohmann::json merge_tune_cache(const nlohmann::json& existing, const nlohmann::json& fresh);
 
 // ---- which bucket serves a token count ----
-// The layer resolves its configs at the token counts 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (the powers of two
-// and 1.5 x the powers of two), once, at construction; T tokens run with the configs of the largest such
-// point <= T. A lookup for T takes the tuned bucket nearest to T's point on a log scale (ties to the
-// smaller bucket), so a bucket B serves the points from about B / 1.4 to B x 1.4. Why not "the largest
-// bucket <= T": between two buckets the tile that wins changes with the rows per expert, and with that
-// rule T = 255 ran on the T = 128 bucket's picks (GLM-5: 20% slower in the layer than on the T = 256
-// picks; bench/NOTES.md, seventeenth session).
-constexpr int64_t layer_resolution_point(int64_t tokens) {
+// The layer resolves its configs at the token counts 1, 2, 3, 4, 6, 8, 12, ..., 256, 384 (the powers of
+// two and 1.5 x them) and from 512 in quarter steps, 512, 640, 768, 896, 1024, 1280, ... (2^k x 1, 1.25,
+// 1.5, 1.75), once, at construction; T tokens run with the configs of the largest such point <= T.
+// Which tuned bucket serves a point (serving_bucket): the bucket at the point itself if the table has
+// one; else the bucket nearest on a log scale (ties to the smaller) to the coarse point <= T, the last of
+// 1, 2, 3, 4, 6, 8, 12, ... (2^k and 1.5 x 2^k only). So a table opts into the quarter points by
+// having buckets there, and a table without them is read exactly as before.
+// Why not "the largest bucket <= T": between two buckets the tile that wins changes with the rows per
+// expert, and with that rule T = 255 ran on the T = 128 bucket's picks (GLM-5: 20% slower in the layer
+// than on the T = 256 picks; bench/NOTES.md, seventeenth session). Why quarter steps from 512: there the
+// tma kernel's token tiles (32..256 rows) decide the cost, and an expert whose rows outgrow a tile
+// streams its weights twice; one pick cannot serve GLM-5's T = 768..1023 (the 32-row tiles are 10% faster
+// at 768 and 17% slower at 1023, on the H200 and the H100 alike; bench/NOTES.md, eighteenth session).
+inline constexpr int64_t kQuarterResolutionFrom = 512;
+// The coarse grid: 1, 2, 3, 4, 6, 8, 12, ... (2^k and 1.5 x 2^k), the largest point <= tokens.
+constexpr int64_t coarse_resolution_point(int64_t tokens) {
   if (tokens <= 1) return 1;
   int64_t p = 1;
   while (p * 2 <= tokens) p *= 2;  // the largest power of two <= tokens
   return p >= 2 && p / 2 * 3 <= tokens ? p / 2 * 3 : p;
 }
+// The layer's grid: the coarse grid below kQuarterResolutionFrom, quarter steps from there.
+constexpr int64_t layer_resolution_point(int64_t tokens) {
+  if (tokens <= 1) return 1;
+  int64_t p = 1;
+  while (p * 2 <= tokens) p *= 2;
+  if (p >= kQuarterResolutionFrom) return p + (tokens - p) / (p / 4) * (p / 4);
+  return coarse_resolution_point(tokens);
+}
 constexpr int64_t next_layer_resolution_point(int64_t point) {
   const int64_t p = layer_resolution_point(point);
-  // after 2^k comes 1.5 x 2^k (from 2: 3), after 1.5 x 2^k comes 2^(k+1); 1 is followed by 2
-  return p == 1 ? 2 : (p & (p - 1)) == 0 ? p / 2 * 3 : p / 3 * 4;
+  if (p == 1) return 2;
+  int64_t pw = 1;
+  while (pw * 2 <= p) pw *= 2;
+  if (pw >= kQuarterResolutionFrom) return p + pw / 4;  // 1.75 x 2^k + 2^k / 4 = 2^(k+1)
+  // after 2^k comes 1.5 x 2^k (from 2: 3), after 1.5 x 2^k comes 2^(k+1)
+  return p == pw ? p / 2 * 3 : p / 3 * 4;
 }
-// The bucket of `buckets` (any order, positive) that serves `tokens`: nearest to layer_resolution_point
-// on a log scale, ties to the smaller. -1 when there are none.
+static_assert(next_layer_resolution_point(384) == 512 && next_layer_resolution_point(512) == 640 &&
+              next_layer_resolution_point(896) == 1024 && layer_resolution_point(1023) == 896 &&
+              coarse_resolution_point(1023) == 768 && coarse_resolution_point(1536) == 1536);
+// The bucket of `buckets` (any order, positive) that serves `tokens` (the rule above). -1 when there are none.
 int64_t serving_bucket(const std::vector<int64_t>& buckets, int64_t tokens);
 
 // ---- picks decided inside the layer (`fp4moe tune --in-layer`; the layer timing runs in the tool) ----

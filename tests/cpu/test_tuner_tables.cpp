@@ -279,14 +279,15 @@ TEST_F(TuneTables, MergeReplacesAndAddsBucketsAndTakesTheNewProvenance) {
 
 // The shipped tables (tune/) serve an H200 whatever its driver, runtime and fp4moe version.
 // Where the layer resolves its configs, and which tuned bucket serves a token count.
-TEST(TuneBuckets, ResolutionPointsArePowersOfTwoAndOneAndAHalfTimesThem) {
-  const int64_t points[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024};
+TEST(TuneBuckets, ResolutionPointsArePowersOfTwoAndOneAndAHalfTimesThemThenQuarterSteps) {
+  const int64_t points[] = {1,   2,   3,   4,   6,   8,   12,   16,   24,   32,   48,   64,   96,  128,
+                            192, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 2560};
   for (size_t i = 0; i + 1 < std::size(points); ++i) {
     EXPECT_EQ(next_layer_resolution_point(points[i]), points[i + 1]) << points[i];
     for (int64_t t = points[i]; t < points[i + 1]; ++t) EXPECT_EQ(layer_resolution_point(t), points[i]) << t;
   }
   EXPECT_EQ(layer_resolution_point(0), 1);
-  EXPECT_EQ(layer_resolution_point(16383), 12288);
+  EXPECT_EQ(layer_resolution_point(16383), 14336);
   EXPECT_EQ(layer_resolution_point(16384), 16384);
 }
 
@@ -303,6 +304,30 @@ TEST(TuneBuckets, TheBucketNearestOnALogScaleServesTiesToTheSmaller) {
   EXPECT_EQ(serving_bucket(b, 100000), 256);
   EXPECT_EQ(serving_bucket({512}, 1), 512);  // below every bucket: the smallest
   EXPECT_EQ(serving_bucket({}, 8), -1);
+}
+
+TEST(TuneBuckets, AQuarterPointUsesItsOwnBucketElseTheCoarsePointBelowIt) {
+  // A table without quarter buckets is read as on the coarse grid: T = 640..767 on the 512 bucket,
+  // 896..1023 on the 768 bucket, as before the quarter points existed.
+  const std::vector<int64_t> coarse{256, 512, 768, 1024, 2048, 4096};
+  EXPECT_EQ(serving_bucket(coarse, 639), 512);
+  EXPECT_EQ(serving_bucket(coarse, 700), 512);
+  EXPECT_EQ(serving_bucket(coarse, 1023), 768);
+  EXPECT_EQ(serving_bucket(coarse, 1300), 1024);
+  EXPECT_EQ(serving_bucket(coarse, 1600), 2048);  // coarse point 1536: 1536^2 > 1024 x 2048
+  EXPECT_EQ(serving_bucket(coarse, 2600), 2048);  // quarter point 2560 has no bucket: coarse 2048
+  EXPECT_EQ(serving_bucket(coarse, 3100), 4096);  // coarse point 3072
+  // With quarter buckets each quarter point takes its own.
+  const std::vector<int64_t> quarter{512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048, 3072};
+  EXPECT_EQ(serving_bucket(quarter, 700), 640);
+  EXPECT_EQ(serving_bucket(quarter, 895), 768);
+  EXPECT_EQ(serving_bucket(quarter, 1023), 896);
+  EXPECT_EQ(serving_bucket(quarter, 1279), 1024);
+  EXPECT_EQ(serving_bucket(quarter, 2047), 1792);
+  EXPECT_EQ(serving_bucket(quarter, 3071), 2048);  // quarter point 2560 has none: coarse 2048
+  // Only some quarter buckets: a missing one falls back to its coarse point.
+  EXPECT_EQ(serving_bucket({512, 896, 1024}, 700), 512);
+  EXPECT_EQ(serving_bucket({512, 896, 1024}, 1000), 896);
 }
 
 // The in-layer mode's two decisions (bench/layer_tune.cpp times the layer; these choose).
@@ -345,111 +370,118 @@ TEST(TuneInLayer, AChallengerIsKeptOnlyWhenItBeatsTheTablesPairByTheMargin) {
   EXPECT_THROW(choose_layer_pair({1.0}, 1.0), Error);
 }
 
-TEST(ShippedTuneTables, ServeAnyH200Install) {
+// The shipped tables (tune/h200-*.json, tune/h100-*.json) serve their GPU whatever its driver, runtime and
+// fp4moe version, and every pick in them follows the tuner's rules.
+TEST(ShippedTuneTables, ServeAnyH200OrH100Install) {
   const std::string dir = std::string(FP4MOE_TEST_SOURCE_DIR) + "/tune";
-  TuneKey h200;
-  h200.gpu = "NVIDIA H200";
-  h200.cc = "9.0";
-  h200.sms = 132;
-  h200.cuda_runtime = 13020;   // not what the tables were measured with
-  h200.cuda_driver = 13050;
-  h200.fp4moe_version = "9.9.9";
-  struct Want {
-    TuneProblem problem;
-    int64_t tokens;
-  } wants[] = {{{256, 8, 4096, 6144, GemmEpilogue::kSwiGLU}, 1},
-               {{256, 8, 6144, 2048, GemmEpilogue::kPlain}, 1024},
-               {{128, 4, 5760, 2880, GemmEpilogue::kGptOssSwiGLU}, 32},
-               {{128, 4, 2880, 2880, GemmEpilogue::kPlain}, 4096}};
-  for (const Want& w : wants) {
-    const TuneLookup l = lookup_tuned_config(w.problem, w.tokens, h200, dir, false);
-    ASSERT_TRUE(l.config.has_value()) << w.problem.key() << ": " << l.reason;
-    EXPECT_FALSE(l.table.empty());
-    EXPECT_TRUE(has_note(l, "provenance differs")) << l.reason;
-    // Every shipped pick is a config of this build (the table's recorded winner, not a substitute).
-    EXPECT_FALSE(has_note(l, "skipped")) << l.reason;
-  }
-  // The shipped files are in the current format, with the SM count recorded.
-  for (const char* f : {"/h200-glm-5.json", "/h200-gpt-oss-120b.json"}) {
-    std::ifstream in(dir + f);
-    const nlohmann::json doc = nlohmann::json::parse(in);
-    EXPECT_EQ(doc.at("format"), "fp4moe-tune/2") << f;
-    const TuneKey k = tune_key_from_json(doc);
-    EXPECT_EQ(k.gpu, "NVIDIA H200") << f;
-    EXPECT_EQ(k.sms, 132) << f;
-    EXPECT_FALSE(k.config_list.empty()) << f;
-  }
-  // Every shipped pick obeys the tuner's rule (tuner_may_pick): no tma or pipeline config below one row
-  // per expert where the layer fuses a shared expert there (a bucket measured before the rule knew the
-  // model says nothing: the strict rule), and every bucket's pick is its fastest eligible timing (or a
-  // layer A/B's, with a note). A routed bucket's recorded rule matches its preset; the shared expert's
-  // own problem (one expert, top-1) exists only for a preset with one and sees >= 1 row per expert.
-  constexpr TileConfig kTma{128, 64, 128, 8, 8, 3}, kStream{192, 8, 64, 4, 12, 2, 2};
-  static_assert(!tuner_may_pick(kTma, 0.5) && tuner_may_pick(kTma, 0.5, false) && tuner_may_pick(kTma, 1.0) &&
-                tuner_may_pick(kStream, 0.5));
-  for (const char* model : {"glm-5", "kimi-k2", "gpt-oss-120b", "qwen3-30b"}) {
-    const std::string f = std::string("/h200-") + model + ".json";
-    std::ifstream in(dir + f);
-    const nlohmann::json doc = nlohmann::json::parse(in);
-    const MoeConfig& pc = preset(model);
-    for (const auto& e : doc.at("entries"))
-      for (const auto& b : e.at("buckets")) {
-        const bool routed = e.at("problem").at("experts").get<int>() == pc.num_experts;
-        const double rows = b.at("rows_per_expert").get<double>();
-        const bool fused = b.value("shared_expert_fused", true);
-        if (routed && b.contains("shared_expert_fused")) {
-          EXPECT_EQ(fused, pc.num_shared > 0) << f << " T=" << b.at("tokens");
-        }
-        if (!routed) {
-          // The shared expert's own problem: one expert seeing every token, only in a model with one.
-          // Measured with explicit commands, its buckets record the strict rule, which at >= 1 row per
-          // expert allows every config, as the `--model` run's (not fused) does.
-          EXPECT_GT(pc.num_shared, 0) << f;
-          EXPECT_EQ(e.at("problem").at("top_k").get<int>(), 1) << f;
-          EXPECT_GE(rows, 1.0) << f << " T=" << b.at("tokens");
-        }
-        EXPECT_TRUE(tuner_may_pick(tile_config_from_json(b.at("best")), rows, fused)) << f << " T=" << b.at("tokens");
-        double fastest = 1e30;
-        for (const auto& t : b.at("timings"))
-          if (tuner_may_pick(tile_config_from_json(t.at("cfg")), rows, fused))
-            fastest = std::min(fastest, t.at("median_us").get<double>());
-        // A bucket may keep a slower pick only where a same-machine layer A/B overruled the GEMM-alone
-        // timing; its "pick_note" names the result file, and the pick is still one of its timings.
-        if (b.contains("layer_pick")) {
-          // Decided in the layer (`fp4moe tune --in-layer`): the pick is the kept pair's config, the kept
-          // pair is what choose_layer_pair makes of the recorded scores, and the record is complete.
-          const auto& lp = b.at("layer_pick");
-          const auto& pairs = lp.at("pairs");
-          ASSERT_FALSE(pairs.empty()) << f << " T=" << b.at("tokens");
-          std::vector<double> scores;
-          for (const auto& p : pairs) {
-            scores.push_back(p.at("score").get<double>());
-            EXPECT_EQ(p.at("layer_us").size(), lp.at("tokens_timed").size()) << f;
+  for (const auto& [prefix, gpu] : {std::pair<std::string, std::string>{"h200", "NVIDIA H200"},
+                                    std::pair<std::string, std::string>{"h100", "NVIDIA H100 80GB HBM3"}}) {
+    SCOPED_TRACE(prefix);
+    TuneKey key;
+    key.gpu = gpu;
+    key.cc = "9.0";
+    key.sms = 132;
+    key.cuda_runtime = 13020;   // not what the tables were measured with
+    key.cuda_driver = 13050;
+    key.fp4moe_version = "9.9.9";
+    struct Want {
+      TuneProblem problem;
+      int64_t tokens;
+    } wants[] = {{{256, 8, 4096, 6144, GemmEpilogue::kSwiGLU}, 1},
+                 {{256, 8, 6144, 2048, GemmEpilogue::kPlain}, 1024},
+                 {{128, 4, 5760, 2880, GemmEpilogue::kGptOssSwiGLU}, 32},
+                 {{128, 4, 2880, 2880, GemmEpilogue::kPlain}, 4096}};
+    for (const Want& w : wants) {
+      const TuneLookup l = lookup_tuned_config(w.problem, w.tokens, key, dir, false);
+      ASSERT_TRUE(l.config.has_value()) << w.problem.key() << ": " << l.reason;
+      EXPECT_FALSE(l.table.empty());
+      EXPECT_TRUE(has_note(l, "provenance differs")) << l.reason;
+      // Every shipped pick is a config of this build (the table's recorded winner, not a substitute).
+      EXPECT_FALSE(has_note(l, "skipped")) << l.reason;
+    }
+    // The shipped files are in the current format, with the SM count recorded.
+    for (const std::string f : {"/" + prefix + "-glm-5.json", "/" + prefix + "-gpt-oss-120b.json"}) {
+      std::ifstream in(dir + f);
+      const nlohmann::json doc = nlohmann::json::parse(in);
+      EXPECT_EQ(doc.at("format"), "fp4moe-tune/2") << f;
+      const TuneKey k = tune_key_from_json(doc);
+      EXPECT_EQ(k.gpu, gpu) << f;
+      EXPECT_EQ(k.sms, 132) << f;
+      EXPECT_FALSE(k.config_list.empty()) << f;
+    }
+    // Every shipped pick obeys the tuner's rule (tuner_may_pick): no tma or pipeline config below one row
+    // per expert where the layer fuses a shared expert there (a bucket measured before the rule knew the
+    // model says nothing: the strict rule), and every bucket's pick is its fastest eligible timing (or a
+    // layer A/B's, with a note). A routed bucket's recorded rule matches its preset; the shared expert's
+    // own problem (one expert, top-1) exists only for a preset with one and sees >= 1 row per expert.
+    constexpr TileConfig kTma{128, 64, 128, 8, 8, 3}, kStream{192, 8, 64, 4, 12, 2, 2};
+    static_assert(!tuner_may_pick(kTma, 0.5) && tuner_may_pick(kTma, 0.5, false) && tuner_may_pick(kTma, 1.0) &&
+                  tuner_may_pick(kStream, 0.5));
+    for (const char* model : {"glm-5", "kimi-k2", "gpt-oss-120b", "qwen3-30b"}) {
+      const std::string f = "/" + prefix + "-" + model + ".json";
+      std::ifstream in(dir + f);
+      const nlohmann::json doc = nlohmann::json::parse(in);
+      const MoeConfig& pc = preset(model);
+      for (const auto& e : doc.at("entries"))
+        for (const auto& b : e.at("buckets")) {
+          const bool routed = e.at("problem").at("experts").get<int>() == pc.num_experts;
+          const double rows = b.at("rows_per_expert").get<double>();
+          const bool fused = b.value("shared_expert_fused", true);
+          if (routed && b.contains("shared_expert_fused")) {
+            EXPECT_EQ(fused, pc.num_shared > 0) << f << " T=" << b.at("tokens");
           }
-          EXPECT_DOUBLE_EQ(scores[0], 1.0) << f << " T=" << b.at("tokens");
-          const size_t chosen = lp.at("chosen").get<size_t>();
-          EXPECT_EQ(chosen, choose_layer_pair(scores, lp.at("margin").get<double>())) << f << " T=" << b.at("tokens");
-          const bool is_gemm1 = e.at("problem").at("n").get<int64_t>() == pc.gemm1_n();
-          EXPECT_EQ(b.at("best_name"), pairs.at(chosen).at(is_gemm1 ? "gemm1" : "gemm2")) << f << " T=" << b.at("tokens");
-          bool timed = false;
-          for (const auto& t : b.at("timings")) timed = timed || t.at("config") == b.at("best_name");
-          EXPECT_TRUE(timed) << f << " T=" << b.at("tokens");
-        } else if (b.contains("pick_note")) {
-          EXPECT_NE(b.at("pick_note").get<std::string>().find("bench/results/"), std::string::npos) << f;
-          bool timed = false;
-          for (const auto& t : b.at("timings")) timed = timed || t.at("config") == b.at("best_name");
-          EXPECT_TRUE(timed) << f << " T=" << b.at("tokens");
-        } else {
-          EXPECT_DOUBLE_EQ(b.at("best_us").get<double>(), fastest) << f << " T=" << b.at("tokens");
+          if (!routed) {
+            // The shared expert's own problem: one expert seeing every token, only in a model with one.
+            // Measured with explicit commands, its buckets record the strict rule, which at >= 1 row per
+            // expert allows every config, as the `--model` run's (not fused) does.
+            EXPECT_GT(pc.num_shared, 0) << f;
+            EXPECT_EQ(e.at("problem").at("top_k").get<int>(), 1) << f;
+            EXPECT_GE(rows, 1.0) << f << " T=" << b.at("tokens");
+          }
+          EXPECT_TRUE(tuner_may_pick(tile_config_from_json(b.at("best")), rows, fused)) << f << " T=" << b.at("tokens");
+          double fastest = 1e30;
+          for (const auto& t : b.at("timings"))
+            if (tuner_may_pick(tile_config_from_json(t.at("cfg")), rows, fused))
+              fastest = std::min(fastest, t.at("median_us").get<double>());
+          // A bucket may keep a slower pick only where a same-machine layer A/B overruled the GEMM-alone
+          // timing; its "pick_note" names the result file, and the pick is still one of its timings.
+          if (b.contains("layer_pick")) {
+            // Decided in the layer (`fp4moe tune --in-layer`): the pick is the kept pair's config, the kept
+            // pair is what choose_layer_pair makes of the recorded scores, and the record is complete.
+            const auto& lp = b.at("layer_pick");
+            const auto& pairs = lp.at("pairs");
+            ASSERT_FALSE(pairs.empty()) << f << " T=" << b.at("tokens");
+            std::vector<double> scores;
+            for (const auto& p : pairs) {
+              scores.push_back(p.at("score").get<double>());
+              EXPECT_EQ(p.at("layer_us").size(), lp.at("tokens_timed").size()) << f;
+            }
+            EXPECT_DOUBLE_EQ(scores[0], 1.0) << f << " T=" << b.at("tokens");
+            const size_t chosen = lp.at("chosen").get<size_t>();
+            EXPECT_EQ(chosen, choose_layer_pair(scores, lp.at("margin").get<double>())) << f << " T=" << b.at("tokens");
+            const bool is_gemm1 = e.at("problem").at("n").get<int64_t>() == pc.gemm1_n();
+            EXPECT_EQ(b.at("best_name"), pairs.at(chosen).at(is_gemm1 ? "gemm1" : "gemm2"))
+                << f << " T=" << b.at("tokens");
+            bool timed = false;
+            for (const auto& t : b.at("timings")) timed = timed || t.at("config") == b.at("best_name");
+            EXPECT_TRUE(timed) << f << " T=" << b.at("tokens");
+          } else if (b.contains("pick_note")) {
+            EXPECT_NE(b.at("pick_note").get<std::string>().find("bench/results/"), std::string::npos) << f;
+            bool timed = false;
+            for (const auto& t : b.at("timings")) timed = timed || t.at("config") == b.at("best_name");
+            EXPECT_TRUE(timed) << f << " T=" << b.at("tokens");
+          } else {
+            EXPECT_DOUBLE_EQ(b.at("best_us").get<double>(), fastest) << f << " T=" << b.at("tokens");
+          }
         }
-      }
+    }
+    // Another GPU does not use them.
+    TuneKey b200 = key;
+    b200.gpu = "NVIDIA B200";
+    b200.cc = "10.0";
+    b200.sms = 148;
+    EXPECT_FALSE(lookup_tuned_config(wants[0].problem, 1, b200, dir, false).config.has_value());
   }
-  // Another GPU does not use them.
-  TuneKey b200 = h200;
-  b200.gpu = "NVIDIA B200";
-  b200.cc = "10.0";
-  b200.sms = 148;
-  EXPECT_FALSE(lookup_tuned_config(wants[0].problem, 1, b200, dir, false).config.has_value());
 }
 
 }  // namespace
