@@ -1,5 +1,6 @@
 // `fp4moe tune`: times every planner-valid config of the grouped GEMM per token bucket on the present
 // GPU and writes the JSON cache that tuned_config() reads (format: tune/README.md).
+#include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <fstream>
@@ -35,21 +36,33 @@ struct TuneArgs {
   double layer_margin = 0.01;
 };
 
+// "1,8,32" or "points[:MAX]" (every resolution point of the layer up to MAX, default 16384), mixed as wanted;
+// sorted, without repeats.
 std::vector<int64_t> parse_buckets(const std::string& s) {
   std::vector<int64_t> out;
   std::stringstream ss(s);
   std::string item;
-  while (std::getline(ss, item, ',')) {
+  auto positive = [](const std::string& text, const std::string& what) -> int64_t {
     try {
       size_t pos = 0;
-      const long long v = std::stoll(item, &pos);
-      if (pos != item.size() || v < 1) throw std::invalid_argument(item);
-      out.push_back(v);
+      const long long v = std::stoll(text, &pos);
+      if (pos != text.size() || v < 1) throw std::invalid_argument(text);
+      return static_cast<int64_t>(v);
     } catch (const std::exception&) {
-      FP4MOE_FAIL("--buckets: '{}' is not a positive token count (expected e.g. 1,8,32)", item);
+      FP4MOE_FAIL("--buckets: '{}' is not {} (expected e.g. 1,8,32 or points:4096)", text, what);
+    }
+  };
+  while (std::getline(ss, item, ',')) {
+    if (item == "points" || item.rfind("points:", 0) == 0) {
+      const int64_t max = item == "points" ? 16384 : positive(item.substr(7), "a positive token count after points:");
+      for (int64_t p : layer_resolution_points(max)) out.push_back(p);
+    } else {
+      out.push_back(positive(item, "a positive token count"));
     }
   }
   FP4MOE_REQUIRE(!out.empty(), "--buckets '{}' lists no token counts", s);
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 
@@ -59,7 +72,9 @@ void register_tune(CLI::App& app) {
   auto a = std::make_shared<TuneArgs>();
   CLI::App* cmd = app.add_subcommand("tune", "Time every valid GEMM tile config per token bucket; write the tuner cache");
   cmd->add_option("--model", a->model, "model preset: tunes GEMM1 (N = 2I, K = H, SwiGLU) and GEMM2 (N = H, K = I), and a shared expert's two GEMMs (one expert, every token)");
-  cmd->add_option("--buckets", a->buckets, "token counts T, comma-separated");
+  cmd->add_option("--buckets", a->buckets,
+                  "token counts T, comma-separated; points[:MAX] adds every point the layer resolves its configs at, "
+                  "up to MAX (default 16384)");
   cmd->add_option("--out", a->out, "cache file to write (default: $FP4MOE_TUNE_CACHE if a file, else tune-<gpu>.json)");
   cmd->add_option("--n", a->n, "explicit problem: output features per expert");
   cmd->add_option("--k", a->k, "explicit problem: reduction size");
@@ -86,6 +101,7 @@ void register_tune(CLI::App& app) {
     FP4MOE_REQUIRE(a->layer_rounds >= 1, "--layer-rounds = {} must be >= 1", a->layer_rounds);
     FP4MOE_REQUIRE(a->layer_margin >= 0.0 && a->layer_margin < 1.0, "--layer-margin = {} must be in [0, 1)",
                    a->layer_margin);
+    const std::vector<int64_t> buckets = parse_buckets(a->buckets);  // bad input is named before any GPU work
     FP4MOE_REQUIRE(gpu_available(), "fp4moe tune needs a CUDA GPU (none is usable here)");
     std::vector<TuneProblem> problems;
     if (!a->model.empty()) {
@@ -131,7 +147,7 @@ void register_tune(CLI::App& app) {
       problems = {p};
     }
     TuneOptions opt;
-    opt.buckets = parse_buckets(a->buckets);
+    opt.buckets = buckets;
     opt.reps = a->reps;
     opt.warmup = a->warmup;
     opt.progress = !a->quiet;

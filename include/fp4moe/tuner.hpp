@@ -153,6 +153,13 @@ constexpr int64_t next_layer_resolution_point(int64_t point) {
 static_assert(next_layer_resolution_point(384) == 512 && next_layer_resolution_point(512) == 640 &&
               next_layer_resolution_point(896) == 1024 && layer_resolution_point(1023) == 896 &&
               coarse_resolution_point(1023) == 768 && coarse_resolution_point(1536) == 1536);
+// Every resolution point <= max_tokens, ascending: the buckets a table needs so that the layer reads each
+// point's own measurement (`fp4moe tune --buckets points[:MAX]`).
+inline std::vector<int64_t> layer_resolution_points(int64_t max_tokens) {
+  std::vector<int64_t> out;
+  for (int64_t p = 1; p <= max_tokens; p = next_layer_resolution_point(p)) out.push_back(p);
+  return out;
+}
 // The bucket of `buckets` (any order, positive) that serves `tokens` (the rule above). -1 when there are none.
 int64_t serving_bucket(const std::vector<int64_t>& buckets, int64_t tokens);
 

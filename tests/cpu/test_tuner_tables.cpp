@@ -286,6 +286,9 @@ TEST(TuneBuckets, ResolutionPointsArePowersOfTwoAndOneAndAHalfTimesThemThenQuart
     EXPECT_EQ(next_layer_resolution_point(points[i]), points[i + 1]) << points[i];
     for (int64_t t = points[i]; t < points[i + 1]; ++t) EXPECT_EQ(layer_resolution_point(t), points[i]) << t;
   }
+  EXPECT_EQ(layer_resolution_points(2560), std::vector<int64_t>(std::begin(points), std::end(points)));
+  EXPECT_EQ(layer_resolution_points(16384).size(), 38u);
+  EXPECT_EQ(layer_resolution_points(16384).back(), 16384);
   EXPECT_EQ(layer_resolution_point(0), 1);
   EXPECT_EQ(layer_resolution_point(16383), 14336);
   EXPECT_EQ(layer_resolution_point(16384), 16384);
@@ -400,7 +403,7 @@ TEST(ShippedTuneTables, ServeAnyH200OrH100Install) {
       EXPECT_FALSE(has_note(l, "skipped")) << l.reason;
     }
     // The shipped files are in the current format, with the SM count recorded.
-    for (const std::string f : {"/" + prefix + "-glm-5.json", "/" + prefix + "-gpt-oss-120b.json"}) {
+    for (const std::string& f : {"/" + prefix + "-glm-5.json", "/" + prefix + "-gpt-oss-120b.json"}) {
       std::ifstream in(dir + f);
       const nlohmann::json doc = nlohmann::json::parse(in);
       EXPECT_EQ(doc.at("format"), "fp4moe-tune/2") << f;
