@@ -1,6 +1,7 @@
 // Autotuner: times every planner-valid config of the grouped GEMM per token bucket on the present GPU
 // and writes a JSON cache; tuned_config() reads it back. Cache format: tune/README.md.
 #pragma once
+#include <bit>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -126,26 +127,24 @@ nlohmann::json merge_tune_cache(const nlohmann::json& existing, const nlohmann::
 // streams its weights twice; one pick cannot serve GLM-5's T = 768..1023 (the 32-row tiles are 10% faster
 // at 768 and 17% slower at 1023, on the H200 and the H100 alike; bench/NOTES.md, eighteenth session).
 inline constexpr int64_t kQuarterResolutionFrom = 512;
+// The largest power of two <= n (n >= 1).
+constexpr int64_t pow2_floor(int64_t n) { return static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(n))); }
 // The coarse grid: 1, 2, 3, 4, 6, 8, 12, ... (2^k and 1.5 x 2^k), the largest point <= tokens.
 constexpr int64_t coarse_resolution_point(int64_t tokens) {
   if (tokens <= 1) return 1;
-  int64_t p = 1;
-  while (p * 2 <= tokens) p *= 2;  // the largest power of two <= tokens
+  const int64_t p = pow2_floor(tokens);
   return p >= 2 && p / 2 * 3 <= tokens ? p / 2 * 3 : p;
 }
 // The layer's grid: the coarse grid below kQuarterResolutionFrom, quarter steps from there.
 constexpr int64_t layer_resolution_point(int64_t tokens) {
-  if (tokens <= 1) return 1;
-  int64_t p = 1;
-  while (p * 2 <= tokens) p *= 2;
-  if (p >= kQuarterResolutionFrom) return p + (tokens - p) / (p / 4) * (p / 4);
-  return coarse_resolution_point(tokens);
+  if (tokens < kQuarterResolutionFrom) return coarse_resolution_point(tokens);
+  const int64_t p = pow2_floor(tokens);
+  return p + (tokens - p) / (p / 4) * (p / 4);
 }
 constexpr int64_t next_layer_resolution_point(int64_t point) {
   const int64_t p = layer_resolution_point(point);
   if (p == 1) return 2;
-  int64_t pw = 1;
-  while (pw * 2 <= p) pw *= 2;
+  const int64_t pw = pow2_floor(p);
   if (pw >= kQuarterResolutionFrom) return p + pw / 4;  // 1.75 x 2^k + 2^k / 4 = 2^(k+1)
   // after 2^k comes 1.5 x 2^k (from 2: 3), after 1.5 x 2^k comes 2^(k+1)
   return p == pw ? p / 2 * 3 : p / 3 * 4;

@@ -277,7 +277,6 @@ TEST_F(TuneTables, MergeReplacesAndAddsBucketsAndTakesTheNewProvenance) {
   EXPECT_EQ(merge_tune_cache(valid_doc(other), b), b);
 }
 
-// The shipped tables (tune/) serve an H200 whatever its driver, runtime and fp4moe version.
 // Where the layer resolves its configs, and which tuned bucket serves a token count.
 TEST(TuneBuckets, ResolutionPointsArePowersOfTwoAndOneAndAHalfTimesThemThenQuarterSteps) {
   const int64_t points[] = {1,   2,   3,   4,   6,   8,   12,   16,   24,   32,   48,   64,   96,  128,
