@@ -10,10 +10,17 @@
 // Within a word, the bits are permuted so that dequantization to bf16 is a few shifts and masks:
 // placing an e2m1 magnitude (e1 e0 m) at bf16 bits 8..6 and its sign at bit 15 yields the value
 // times 2^-126 exactly (e=0 lands in bf16's subnormal range, which mul.bf16x2 supports), for two
-// values at once (one per 16-bit half). The four bf16x2 pairs of a word (a0a1, a2a3, a4a5, a6a7) keep
-// their magnitudes at bits [p, p+2] and signs at bit q of each half with (p, q) = (0,9) (3,10) (6,15)
-// (11,14): pair 2 needs one AND, pair 0 a shift and an AND, pairs 1 and 3 two shifts and two logic ops
-// (an exhaustive search found no placement with fewer operations).
+// values at once (one per 16-bit half). So each bf16x2 pair (a0a1, a2a3, a4a5, a6a7) must end with its
+// eight bits at the targets T = {6, 7, 8, 15, 22, 23, 24, 31} and zeros elsewhere. Where a target bit is
+// stored (stored_bit) is chosen so that the four pairs cost nine integer operations in all (place_pair):
+//   pair 2: word & T                         (one AND)
+//   pair 1: (word << 4) & T                   (a shift and an AND)
+//   pair 3: rotl(word, 10) & T                (a funnel shift and an AND)
+//   pair 0: ((word << 6) & T\{8, 24}) | ((word >> 2) & {8, 24})   (two shifts and two logic ops)
+// Nine is the least: four single-copy pairs would need four translates of T tiling the word, and none
+// exist (not mod 32 with rotations either), so a fifth copy of the word and one two-source pair are
+// needed; an exhaustive search over shifts and rotations found this placement at nine (the previous
+// layout, plain shifts only, took eleven: bench/NOTES.md, nineteenth session).
 //
 // Block scales are re-encoded in one byte as ((E + 9) << 3) | mantissa for s = 2^E * (1 + mantissa/8),
 // E in [-9, 8] (every positive E4M3 value, subnormals normalized), so that byte * 16 + (236 << 7) is
@@ -27,8 +34,24 @@
 
 namespace fp4moe::layout {
 
-FP4MOE_HD constexpr int pair_mag_pos(int pair) { return pair == 0 ? 0 : pair == 1 ? 3 : pair == 2 ? 6 : 11; }
-FP4MOE_HD constexpr int pair_sign_pos(int pair) { return pair == 0 ? 9 : pair == 1 ? 10 : pair == 2 ? 15 : 14; }
+inline constexpr uint32_t kPairTargets = 0x81C081C0u;  // bits 6-8, 15, 22-24, 31 of a bf16x2
+inline constexpr uint32_t kPair0Shifted = 0x80C080C0u;  // pair 0's targets taken from word << 6
+inline constexpr uint32_t kPair0Rest = 0x01000100u;     // pair 0's bits 8 and 24, from word >> 2
+// Word bit holding target bit t (in kPairTargets) of pair `pair`: the inverse of place_pair's shifts.
+FP4MOE_HD constexpr int stored_bit(int pair, int t) {
+  return pair == 0   ? ((t & 15) == 8 ? t + 2 : t - 6)
+         : pair == 1 ? t - 4
+         : pair == 2 ? t
+                     : (t + 22) & 31;  // rotl by 10
+}
+// The pair's bf16x2 bits before scaling (value * 2^-126 per half): what the kernels compute, and what
+// the CPU tests emulate. ptxas turns the rotate into one funnel shift (SHF.L.W).
+FP4MOE_HD constexpr uint32_t place_pair(uint32_t word, int pair) {
+  return pair == 0   ? ((word << 6) & kPair0Shifted) | ((word >> 2) & kPair0Rest)
+         : pair == 1 ? (word << 4) & kPairTargets
+         : pair == 2 ? word & kPairTargets
+                     : ((word << 10) | (word >> 22)) & kPairTargets;
+}
 inline constexpr uint32_t kScaleBias = (236u << 7) | (236u << 23);  // bf16 exponent bias, both halves
 inline constexpr float kAccumulatorScale = 256.0f;                    // 2^8, undone in the epilogue
 
@@ -70,15 +93,19 @@ FP4MOE_HD int64_t disk_row(int64_t mtile, int local_row, int64_t n, RowOrder ord
 FP4MOE_HD int frag_row(int lane, int v) { return (lane >> 2) + ((v >> 1) & 1) * 8; }
 FP4MOE_HD int frag_k(int lane, int v) { return (lane & 3) * 2 + (v & 1) + (v >> 2) * 8; }
 
-// Bit positions of value v's magnitude (3 bits) and sign inside the word.
-FP4MOE_HD int mag_pos(int v) { return pair_mag_pos(v >> 1) + (v & 1) * 16; }
-FP4MOE_HD int sign_pos(int v) { return pair_sign_pos(v >> 1) + (v & 1) * 16; }
+// Word bit of value v's code bit b (0-2: the magnitude m, e0, e1; 3: the sign): value v is half v & 1
+// of pair v >> 1, and its code bit b lands on bf16 bit 6 + b (magnitude) or 15 (sign) of that half.
+FP4MOE_HD constexpr int code_bit_pos(int v, int b) { return stored_bit(v >> 1, (b < 3 ? 6 + b : 15) + (v & 1) * 16); }
 
 FP4MOE_HD uint32_t place_code(uint8_t code, int v) {
-  return (static_cast<uint32_t>(code & 7u) << mag_pos(v)) | (static_cast<uint32_t>((code >> 3) & 1u) << sign_pos(v));
+  uint32_t word = 0;
+  for (int b = 0; b < 4; ++b) word |= static_cast<uint32_t>((code >> b) & 1u) << code_bit_pos(v, b);
+  return word;
 }
 FP4MOE_HD uint8_t extract_code(uint32_t word, int v) {
-  return static_cast<uint8_t>(((word >> mag_pos(v)) & 7u) | (((word >> sign_pos(v)) & 1u) << 3));
+  uint32_t code = 0;
+  for (int b = 0; b < 4; ++b) code |= ((word >> code_bit_pos(v, b)) & 1u) << b;
+  return static_cast<uint8_t>(code);
 }
 
 // E4M3 scale byte -> kernel scale byte. Requires a finite, positive scale (checked by the callers).

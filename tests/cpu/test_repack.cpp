@@ -47,18 +47,31 @@ TEST(Repack, RoundTripIsBitExactBothRowOrders) {
 TEST(Repack, BitPlacementIsABijection) {
   uint32_t seen = 0;
   for (int v = 0; v < 8; ++v) {
-    for (int b = 0; b < 3; ++b) {
-      const uint32_t bit = 1u << (layout::mag_pos(v) + b);
-      EXPECT_EQ(seen & bit, 0u);
+    for (int b = 0; b < 4; ++b) {
+      const uint32_t bit = 1u << layout::code_bit_pos(v, b);
+      EXPECT_EQ(seen & bit, 0u) << "value " << v << " code bit " << b;
       seen |= bit;
     }
-    const uint32_t sb = 1u << layout::sign_pos(v);
-    EXPECT_EQ(seen & sb, 0u);
-    seen |= sb;
   }
   EXPECT_EQ(seen, 0xffffffffu);
   for (int v = 0; v < 8; ++v)
     for (uint8_t c = 0; c < 16; ++c) EXPECT_EQ(layout::extract_code(layout::place_code(c, v), v), c);
+}
+
+// Every word bit reaches exactly one target bit of one pair through place_pair, and that target is
+// where stored_bit says it is stored: the kernels' shifts and the repack's placement agree.
+TEST(Repack, PlacePairInvertsStoredBit) {
+  for (int pair = 0; pair < 4; ++pair) {
+    for (int t = 0; t < 32; ++t) {
+      if (!((layout::kPairTargets >> t) & 1u)) continue;
+      EXPECT_EQ(layout::place_pair(1u << layout::stored_bit(pair, t), pair), 1u << t) << "pair " << pair << " bit " << t;
+    }
+    // all other word bits are dropped by this pair
+    uint32_t mine = 0;
+    for (int t = 0; t < 32; ++t)
+      if ((layout::kPairTargets >> t) & 1u) mine |= 1u << layout::stored_bit(pair, t);
+    EXPECT_EQ(layout::place_pair(~mine, pair), 0u) << "pair " << pair;
+  }
 }
 
 TEST(Repack, ScaleEncodingCoversEveryPositiveE4M3) {
@@ -84,13 +97,7 @@ TEST(Repack, DequantArithmeticIsExactForEveryCodeAndScale) {
     for (uint8_t code = 0; code < 16; ++code) {
       for (int v = 0; v < 8; ++v) {
         const uint32_t word = layout::place_code(code, v);
-        uint32_t p;
-        switch (v >> 1) {
-          case 0: p = (word << 6) & 0x81C081C0u; break;
-          case 1: p = ((word << 3) & 0x01C001C0u) | ((word << 5) & 0x80008000u); break;
-          case 2: p = word & 0x81C081C0u; break;
-          default: p = ((word >> 5) & 0x01C001C0u) | ((word << 1) & 0x80008000u); break;
-        }
+        const uint32_t p = layout::place_pair(word, v >> 1);  // the kernels' integer ops
         const float got = bf16_bits_to_float(emulate_pair_half(p, v & 1, sbits));
         const float want = e2m1_to_float(code) * e4m3_to_float(static_cast<uint8_t>(b)) / 256.0f;
         ASSERT_EQ(got, want) << "code " << int(code) << " scale byte " << b << " value slot " << v;

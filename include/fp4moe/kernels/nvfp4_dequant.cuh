@@ -5,6 +5,8 @@
 
 #include <cuda_bf16.h>
 
+#include "fp4moe/nvfp4_weight_layout.hpp"
+
 namespace fp4moe::kernels {
 
 // Two re-encoded scale bytes (rows g and g+8 of a k16 block), zero-extended into the two 16-bit
@@ -23,10 +25,11 @@ __device__ __forceinline__ uint32_t as_u32(__nv_bfloat162 v) { return *reinterpr
 // word: the repacked codes; scales: decode_scale_pair() output {row g, row g+8}.
 // a[0] = (a0,a1) row g, a[1] = (a2,a3) row g+8, a[2] = (a4,a5) row g, a[3] = (a6,a7) row g+8.
 __device__ __forceinline__ void dequant_fragment(uint32_t word, uint32_t scales, uint32_t (&a)[4]) {
-  const uint32_t p0 = (word << 6) & 0x81C081C0u;
-  const uint32_t p1 = ((word << 3) & 0x01C001C0u) | ((word << 5) & 0x80008000u);
-  const uint32_t p2 = word & 0x81C081C0u;
-  const uint32_t p3 = ((word >> 5) & 0x01C001C0u) | ((word << 1) & 0x80008000u);
+  // nine integer operations for the four pairs (layout::place_pair; nvfp4_weight_layout.hpp says why)
+  const uint32_t p0 = layout::place_pair(word, 0);
+  const uint32_t p1 = layout::place_pair(word, 1);
+  const uint32_t p2 = layout::place_pair(word, 2);
+  const uint32_t p3 = layout::place_pair(word, 3);
   const __nv_bfloat162 s = as_bf162(scales);
   const __nv_bfloat162 s_lo = __low2bfloat162(s);   // folded into HMUL2's .H0_H0 operand select
   const __nv_bfloat162 s_hi = __high2bfloat162(s);
