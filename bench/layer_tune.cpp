@@ -64,7 +64,7 @@ std::vector<int64_t> served_counts(const nlohmann::json& entry, int64_t T) {
   for (const auto& b : entry.at("buckets")) tuned.push_back(b.at("tokens").get<int64_t>());
   const int64_t top = 2 * *std::max_element(tuned.begin(), tuned.end());
   int64_t lo = 0, hi_point = 0;
-  for (int64_t p = 1; p <= top; p = next_layer_resolution_point(p))
+  for (int64_t p : layer_resolution_points(top))
     if (serving_bucket(tuned, p) == T) {
       if (lo == 0) lo = p;
       hi_point = p;

@@ -321,8 +321,7 @@ std::vector<MoeResolvedTileConfigs> resolve_auto_tiles(const MoeConfig& cfg, int
   if (!shared_nvfp4) c.num_shared = 0;  // the caller runs the shared expert itself
   std::vector<MoeResolvedTileConfigs> out;
   // at the resolution points 1, 2, 3, 4, 6, 8, 12, ..., 384, then quarter steps from 512 (tuner.hpp)
-  for (int64_t t = 1; t <= max_tokens; t = next_layer_resolution_point(t))
-    out.push_back(moe_layer_tile_configs(c, t, arch));
+  for (int64_t t : layer_resolution_points(max_tokens)) out.push_back(moe_layer_tile_configs(c, t, arch));
   return out;
 }
 

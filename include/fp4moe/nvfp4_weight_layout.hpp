@@ -37,6 +37,7 @@ namespace fp4moe::layout {
 inline constexpr uint32_t kPairTargets = 0x81C081C0u;  // bits 6-8, 15, 22-24, 31 of a bf16x2
 inline constexpr uint32_t kPair0Shifted = 0x80C080C0u;  // pair 0's targets taken from word << 6
 inline constexpr uint32_t kPair0Rest = 0x01000100u;     // pair 0's bits 8 and 24, from word >> 2
+static_assert((kPair0Shifted | kPair0Rest) == kPairTargets && (kPair0Shifted & kPair0Rest) == 0);
 // Word bit holding target bit t (in kPairTargets) of pair `pair`: the inverse of place_pair's shifts.
 FP4MOE_HD constexpr int stored_bit(int pair, int t) {
   return pair == 0   ? ((t & 15) == 8 ? t + 2 : t - 6)
