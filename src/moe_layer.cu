@@ -288,16 +288,17 @@ void moe_gather(const void* hidden, int64_t tokens, int64_t hidden_size, const i
 namespace {
 template <int kMaxK>
 void launch_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens, int64_t h8,
-                    void* out, cudaStream_t stream, bool pdl) {
+                    void* out, cudaStream_t stream, bool pdl, bool rows_before_wait) {
   const int slices = row_slices(h8, kernels::kCombineThreads);
   detail::launch(kernels::moe_combine_kernel<kMaxK>, dim3(static_cast<unsigned>(tokens * slices)),
                  dim3(kernels::kCombineThreads), 0, stream, pdl, static_cast<const uint4*>(y),
-                 static_cast<const uint4*>(shared_y), row_of, top_k, h8, slices, static_cast<uint4*>(out));
+                 static_cast<const uint4*>(shared_y), row_of, top_k, h8, slices, static_cast<uint4*>(out),
+                 rows_before_wait ? 1 : 0);
 }
-}  // namespace
 
-void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens,
-                 int64_t hidden_size, void* out, cudaStream_t stream, bool pdl) {
+// moe_combine, and the layer's own launch (rows_before_wait: see moe_combine_kernel).
+void combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens,
+             int64_t hidden_size, void* out, cudaStream_t stream, bool pdl, bool rows_before_wait) {
   require_rows("moe_combine", y, "y", hidden_size);
   require_rows("moe_combine", out, "out", hidden_size);
   FP4MOE_REQUIRE(shared_y == nullptr || aligned(shared_y, 16), "moe_combine: shared_y = {} must be 16-byte aligned",
@@ -307,10 +308,16 @@ void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int
                  kMaxTopK);
   const int64_t h8 = hidden_size / 8;
   // The smallest unrolled slot count >= k: registers hold kMaxK 16-byte vectors per thread.
-  if (top_k <= 2) launch_combine<2>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl);
-  else if (top_k <= 4) launch_combine<4>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl);
-  else if (top_k <= 8) launch_combine<8>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl);
-  else launch_combine<16>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl);
+  if (top_k <= 2) launch_combine<2>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl, rows_before_wait);
+  else if (top_k <= 4) launch_combine<4>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl, rows_before_wait);
+  else if (top_k <= 8) launch_combine<8>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl, rows_before_wait);
+  else launch_combine<16>(y, shared_y, row_of, top_k, tokens, h8, out, stream, pdl, rows_before_wait);
+}
+}  // namespace
+
+void moe_combine(const void* y, const void* shared_y, const int32_t* row_of, int top_k, int64_t tokens,
+                 int64_t hidden_size, void* out, cudaStream_t stream, bool pdl) {
+  combine(y, shared_y, row_of, top_k, tokens, hidden_size, out, stream, pdl, /*rows_before_wait=*/false);
 }
 
 namespace detail {
@@ -734,7 +741,9 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   mark(4);
 
   // ---- combine ----
-  moe_combine(ws.gemm2_out, ws.shared_gemm2_out, ws.row_of, k, tokens, H, out, stream, /*programmatic_launch=*/true);
+  // row_of is the permutation's, three launches back: its ids are read before the wait (moe_combine_kernel)
+  combine(ws.gemm2_out, ws.shared_gemm2_out, ws.row_of, k, tokens, H, out, stream, /*pdl=*/true,
+          /*rows_before_wait=*/true);
   mark(5);
 }
 

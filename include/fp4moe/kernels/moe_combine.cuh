@@ -33,6 +33,10 @@ inline constexpr int kCombineThreads = 128;
 // broadcast address per warp, then the k slot vectors and the shared-expert vector: up to 17 16-byte
 // loads in flight, held in registers by the fully unrolled kMaxK loop), then adds them in slot order.
 // At T = 1, H = 6144 that is 6 blocks x 128 threads, two round trips (row ids, then data) in total.
+// rows_before_wait (the layer's own launch): row_of was final before the predecessor began, so the row
+// ids are loaded before griddepcontrol.wait and only the data's round trip follows it. The layer's
+// permutation wrote them, and this grid starts only after every CTA of GEMM2 passed its own wait, which
+// returned after GEMM1 completed, whose CTAs had waited for the permutation.
 // The arithmetic is the old loop's, in the same order: fp32 sum from 0 over s = 0..k-1, then + shared,
 // then round to bf16, so the output is bit-identical.
 template <int kMaxK>
@@ -40,15 +44,19 @@ __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const uint4* __restrict__ y /*[T*k, H/8]*/,
                        const uint4* __restrict__ shared_y /*[T, H/8] or null*/,
                        const int32_t* __restrict__ row_of /*[T, k]*/, int top_k, int64_t h8, int slices,
-                       uint4* __restrict__ out /*[T, H/8]*/) {
-  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
-  pdl_launch_dependents();
+                       uint4* __restrict__ out /*[T, H/8]*/, int rows_before_wait) {
   const int64_t t = blockIdx.x / slices;
   const int64_t v = static_cast<int64_t>(blockIdx.x % slices) * kCombineThreads + threadIdx.x;
-  if (v >= h8) return;
   int32_t rows[kMaxK];
+  auto load_rows = [&] {
 #pragma unroll
-  for (int s = 0; s < kMaxK; ++s) rows[s] = s < top_k ? __ldg(row_of + t * top_k + s) : 0;
+    for (int s = 0; s < kMaxK; ++s) rows[s] = s < top_k ? __ldg(row_of + t * top_k + s) : 0;
+  };
+  if (rows_before_wait) load_rows();
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
+  if (v >= h8) return;
+  if (!rows_before_wait) load_rows();
   uint4 vals[kMaxK];
 #pragma unroll
   for (int s = 0; s < kMaxK; ++s)
