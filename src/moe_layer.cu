@@ -218,10 +218,12 @@ void launch_gather(const void* hidden, int64_t tokens, int64_t h8, const int32_t
 }
 }  // namespace
 
-void moe_permute_gather(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids,
-                        const float* topk_weights, int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of,
-                        float* row_scale, int32_t* shared_offsets, const void* hidden, int64_t hidden_size,
-                        void* sorted, cudaStream_t stream, PermutePath path, bool pdl) {
+namespace {
+// moe_permute_gather, and the layer's own launch (hidden_before_wait: see moe_permute_small_kernel).
+void permute_gather(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids, const float* topk_weights,
+                    int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of, float* row_scale,
+                    int32_t* shared_offsets, const void* hidden, int64_t hidden_size, void* sorted,
+                    cudaStream_t stream, PermutePath path, bool pdl, bool hidden_before_wait) {
   FP4MOE_REQUIRE(num_experts >= 1 && num_experts <= kMaxExperts, "moe_permute: num_experts = {} must be in [1, {}]",
                  num_experts, kMaxExperts);
   FP4MOE_REQUIRE(top_k >= 1 && top_k <= kMaxTopK, "moe_permute: top_k = {} must be in [1, {}]", top_k, kMaxTopK);
@@ -250,11 +252,11 @@ void moe_permute_gather(int num_experts, int top_k, int64_t tokens, const int32_
       detail::launch(kernels::moe_permute_small_kernel<true>, dim3(blocks), dim3(kernels::kSmallPermuteThreads), 0,
                      stream, pdl, topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb,
                      expert_offsets, row_of, row_scale, shared_offsets, static_cast<const uint4*>(hidden), h8,
-                     static_cast<uint4*>(sorted));
+                     static_cast<uint4*>(sorted), hidden_before_wait ? 1 : 0);
     } else {
       detail::launch(kernels::moe_permute_small_kernel<false>, dim3(blocks), dim3(kernels::kSmallPermuteThreads), 0,
                      stream, pdl, topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb,
-                     expert_offsets, row_of, row_scale, shared_offsets, nullptr, int64_t{0}, nullptr);
+                     expert_offsets, row_of, row_scale, shared_offsets, nullptr, int64_t{0}, nullptr, 0);
     }
     return;
   }
@@ -266,6 +268,15 @@ void moe_permute_gather(int num_experts, int top_k, int64_t tokens, const int32_
   detail::launch(kernels::moe_scatter_kernel, dim3(chunks), dim3(kernels::kPermuteWarps * 32), 0, stream, pdl,
                  topk_ids, topk_weights, n, num_experts, chunk_counts, expert_offsets, row_of, row_scale);
   if (gather) launch_gather(hidden, tokens, hidden_size / 8, row_of, top_k, sorted, stream, pdl);
+}
+}  // namespace
+
+void moe_permute_gather(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids,
+                        const float* topk_weights, int32_t* chunk_counts, int32_t* expert_offsets, int32_t* row_of,
+                        float* row_scale, int32_t* shared_offsets, const void* hidden, int64_t hidden_size,
+                        void* sorted, cudaStream_t stream, PermutePath path, bool pdl) {
+  permute_gather(num_experts, top_k, tokens, topk_ids, topk_weights, chunk_counts, expert_offsets, row_of, row_scale,
+                 shared_offsets, hidden, hidden_size, sorted, stream, path, pdl, /*hidden_before_wait=*/false);
 }
 
 void moe_permute(int num_experts, int top_k, int64_t tokens, const int32_t* topk_ids, const float* topk_weights,
@@ -702,10 +713,11 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   // ---- permutation + gather ----
   // Every launch after routing uses programmatic dependent launch: each kernel's launch overlaps the
   // previous one's tail (at T = 1 five launches' latency is a fifth of the layer).
-  moe_permute_gather(E, k, tokens, topk_ids, topk_weights, chunk_counts, ws.expert_offsets, ws.row_of,
-                     ws.row_scale, c.num_shared > 0 && !fork ? shared_offsets : nullptr, hidden, H,
-                     ws.sorted_hidden, stream, PermutePath::kAuto,
-                     /*programmatic_launch=*/true);  // one launch when tokens * k <= 4096
+  // The hidden rows were final before routing (a launch without programmatic launch) began: the one-launch
+  // permutation loads them before its wait (moe_permute_small_kernel).
+  permute_gather(E, k, tokens, topk_ids, topk_weights, chunk_counts, ws.expert_offsets, ws.row_of, ws.row_scale,
+                 c.num_shared > 0 && !fork ? shared_offsets : nullptr, hidden, H, ws.sorted_hidden, stream,
+                 PermutePath::kAuto, /*pdl=*/true, /*hidden_before_wait=*/true);  // one launch when tokens * k <= 4096
   mark(2);
 
   // ---- GEMM1 (+ activation), GEMM2 (x routing weight) ----

@@ -188,15 +188,17 @@ __host__ __device__ constexpr int small_permute_tokens_per_block(int64_t tokens)
 //   4. warp 0 ranks the owned entries (<= 32) among equal experts with __match_any_sync:
 //      row = offsets[e] + (entries of e before begin) + (peers in lower lanes);
 //   5. (gather) copy each owned hidden vector to its k rows (16-byte stores, fire and forget).
+// hidden_before_wait (the layer's own launch): the hidden rows were final before the predecessor (the
+// routing kernel, launched without programmatic launch) began, so step 1 is issued before
+// griddepcontrol.wait and their DRAM latency passes under routing's tail.
 template <bool kGather>
 __global__ void __launch_bounds__(kSmallPermuteThreads)
     moe_permute_small_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, int tokens,
                              int top_k, int num_experts, int tokens_per_block,
                              int32_t* __restrict__ expert_offsets, int32_t* __restrict__ row_of,
                              float* __restrict__ row_scale, int32_t* __restrict__ shared_offsets,
-                             const uint4* __restrict__ hidden, int64_t h8, uint4* __restrict__ sorted) {
-  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
-  pdl_launch_dependents();
+                             const uint4* __restrict__ hidden, int64_t h8, uint4* __restrict__ sorted,
+                             int hidden_before_wait) {
   constexpr int kWarps = kSmallPermuteThreads / 32;
   __shared__ int32_t before[kMaxExperts];  // entries of e before `begin`; then the first row of e here
   __shared__ int32_t rest[kMaxExperts];    // entries of e at or after `begin`
@@ -210,13 +212,19 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
   // 1. prefetch of the owned hidden rows (consecutive tokens are consecutive rows)
   const int own_vecs = kGather ? static_cast<int>((t1 - t0) * h8) : 0;
   uint4 pre[kSmallPermutePrefetch] = {};
-  if constexpr (kGather) {
+  auto prefetch = [&] {
+    if constexpr (kGather) {
 #pragma unroll
-    for (int q = 0; q < kSmallPermutePrefetch; ++q) {
-      const int v = tid + q * kSmallPermuteThreads;
-      if (v < own_vecs) pre[q] = hidden[static_cast<int64_t>(t0) * h8 + v];
+      for (int q = 0; q < kSmallPermutePrefetch; ++q) {
+        const int v = tid + q * kSmallPermuteThreads;
+        if (v < own_vecs) pre[q] = hidden[static_cast<int64_t>(t0) * h8 + v];
+      }
     }
-  }
+  };
+  if (hidden_before_wait) prefetch();
+  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
+  pdl_launch_dependents();
+  if (!hidden_before_wait) prefetch();
 
   // 2. histogram
   for (int e = tid; e < num_experts; e += kSmallPermuteThreads) {
