@@ -753,7 +753,7 @@ void MoeLayer::forward_experts(cudaStream_t stream, const void* hidden, int64_t 
   mark(4);
 
   // ---- combine ----
-  // row_of is the permutation's, three launches back: its ids are read before the wait (moe_combine_kernel)
+  // row_of is the permutation's, from before GEMM1: its ids are read before the wait (moe_combine_kernel)
   combine(ws.gemm2_out, ws.shared_gemm2_out, ws.row_of, k, tokens, H, out, stream, /*pdl=*/true,
           /*rows_before_wait=*/true);
   mark(5);

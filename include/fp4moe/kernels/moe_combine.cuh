@@ -35,8 +35,9 @@ inline constexpr int kCombineThreads = 128;
 // At T = 1, H = 6144 that is 6 blocks x 128 threads, two round trips (row ids, then data) in total.
 // rows_before_wait (the layer's own launch): row_of was final before the predecessor began, so the row
 // ids are loaded before griddepcontrol.wait and only the data's round trip follows it. The layer's
-// permutation wrote them, and this grid starts only after every CTA of GEMM2 passed its own wait, which
-// returned after GEMM1 completed, whose CTAs had waited for the permutation.
+// permutation wrote them before GEMM1, and each launch since (GEMM1, GEMM2, a shared expert's own GEMMs)
+// started only after every CTA of its predecessor passed that predecessor's wait, so their writer has
+// completed by the time this grid starts.
 // The arithmetic is the old loop's, in the same order: fp32 sum from 0 over s = 0..k-1, then + shared,
 // then round to bf16, so the output is bit-identical.
 template <int kMaxK>
