@@ -760,14 +760,13 @@ TEST(MoeLayerGpu, StageEventsAndTileOverrides) {
   EXPECT_LT(rel_l2(from_bf16(other.out), from_bf16(base.out)), kRelL2Bound);
 }
 
-// The tma configs (sm_90a) through the layer: routed GEMMs with the shared expert fused into the same
-// launch (its own tensor maps), every tile width (experts of 0..~3x bt/4 rows), against the fp64
-// reference. Elsewhere the planner refuses them and the layer is not run with them.
-TEST(MoeLayerGpu, TmaTilesWithFusedSharedExpertMatchReference) {
-  FP4MOE_SKIP_WITHOUT_GPU();
+// Every config of the kinds `take` accepts through the layer (all four GEMMs on it): routed GEMMs with the
+// shared expert fused into the same launch or in launches of their own, experts of 0..~3x bt/4 rows,
+// against the fp64 reference. Returns how many configs ran (the planner refuses the others here).
+template <class Take>
+static int layer_matches_reference_with_each_config(uint64_t seed, Take take) {
   const MoeConfig& cfg = preset("tiny");
-  ASSERT_EQ(cfg.num_shared, 1);
-  const uint64_t seed = 77;
+  EXPECT_EQ(cfg.num_shared, 1);
   HostLayer L = build_host_layer(cfg, seed);
   VectorExperts experts(std::vector<ExpertWeights>(L.experts.begin(), L.experts.end() - 1),
                         std::vector<ExpertWeights>{L.experts.back()});
@@ -778,7 +777,7 @@ TEST(MoeLayerGpu, TmaTilesWithFusedSharedExpertMatchReference) {
   OwnedDeviceBuffer ws(layer.workspace_bytes()), out(max_T * cfg.hidden * 2);
   int ran = 0;
   for (const TileConfig& c : kGemmConfigs) {
-    if (c.mma != 3 || !plan_sm80(c, arch).verdict.valid) continue;
+    if (!take(c) || !plan_sm80(c, arch).verdict.valid) continue;
     if (cfg.hidden % c.bk != 0 || cfg.intermediate % c.bk != 0) continue;
     MoeTileConfigs tiles;
     tiles.gemm1 = tiles.gemm2 = tiles.shared_gemm1 = tiles.shared_gemm2 = c;
@@ -793,7 +792,24 @@ TEST(MoeLayerGpu, TmaTilesWithFusedSharedExpertMatchReference) {
     }
     ++ran;
   }
-  if (ran == 0) GTEST_SKIP() << "no tma config is valid on " << arch.name << " (they need sm_90a)";
+  return ran;
+}
+
+// The tma configs (sm_90a), each tile width; GEMM2 requests its first tile's weights before its
+// programmatic-launch wait (the offsets are final at its launch), the producer decoding that tile twice.
+TEST(MoeLayerGpu, TmaTilesWithFusedSharedExpertMatchReference) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  const int ran = layer_matches_reference_with_each_config(77, [](const TileConfig& c) { return c.mma == 3; });
+  if (ran == 0) GTEST_SKIP() << "no tma config is valid on this GPU (they need sm_90a)";
+}
+
+// The pipeline configs (mma.sync, and wgmma on sm_90a): GEMM2 and the shared GEMM2 put the first stages'
+// weights into the first commit group before their programmatic-launch wait, the activation rows after it.
+TEST(MoeLayerGpu, PipelineTilesMatchReference) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  const int ran =
+      layer_matches_reference_with_each_config(78, [](const TileConfig& c) { return c.mma == 0 || c.mma == 1; });
+  EXPECT_GT(ran, 0);
 }
 
 // The shared expert's GEMM1 on the layer's second stream (prefill: the shared expert in launches of its

@@ -365,8 +365,14 @@ __device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, co
 template <int BN, int BT, int BK, int STAGES, int WARPS, int MMA, int CTAS, int EPI>
 __global__ void __launch_bounds__(WARPS * 32, gemm_min_ctas_per_sm(TileConfig{BN, BT, BK, STAGES, WARPS, MMA, CTAS}))
 sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
-  pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
-  pdl_launch_dependents();
+  // Programmatic dependent launch: the predecessor's results are visible after pdl_wait. With
+  // p.weights_before_wait the offsets (and so every tile) were final before the predecessor began
+  // (GEMM2's, which GEMM1 waited for), and the first stages' weights are requested before the wait,
+  // below; the activation rows, the predecessor's output, only after it.
+  if (!p.weights_before_wait) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
   constexpr TileConfig kCfg{BN, BT, BK, STAGES, WARPS, MMA, CTAS};
   static_assert(tile_config_well_formed(kCfg), "tile config is malformed: see tile_config_well_formed()");
   constexpr GemmSmemLayout kL = gemm_smem_layout(kCfg);
@@ -401,7 +407,12 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
                            ? (total_tiles - 1 - static_cast<int>(blockIdx.x)) / static_cast<int>(gridDim.x) + 1
                            : 0;
   const int total_iters = my_tiles * KT;
-  if (total_iters == 0) return;
+  if (total_iters == 0) {
+    // Exit only once the predecessor is done: this grid's completion then implies its predecessor's,
+    // which the next kernel relies on (the layer's combine reads GEMM2's rows after its own wait only).
+    if (p.weights_before_wait) pdl_wait();
+    return;
+  }
 
   const int64_t codes_expert_stride = static_cast<int64_t>(p.n) * K / 2;
   const int64_t scales_expert_stride = static_cast<int64_t>(p.n) * K / 16;
@@ -463,24 +474,33 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
 #pragma unroll
     for (int i = 0; i < kActIters; ++i) ld_act_ok |= (act_row[i] < t.rows) ? 1u << i : 0u;
   };
-  // issue the cp.asyncs of the next (tile, k-step) into the next stage, then advance
-  auto issue_load = [&]() {
-    const uint32_t stage = smem_base + ld_stage * static_cast<uint32_t>(kL.stage_bytes);
-    const uint32_t s_act = stage;
-    const uint32_t s_codes = stage + static_cast<uint32_t>(kL.codes_offset);
-    const uint32_t s_scales = stage + static_cast<uint32_t>(kL.scales_offset);
-    const uint8_t* gc = ld_codes + ld_kt * (KC * 512);
-    const uint8_t* gs = ld_scales + ld_kt * (KC * 64);
-    const uint8_t* ga = ld_act + ld_kt * (BK * 2);
+  // the cp.asyncs of (the current load tile, k-step kt) into stage `sidx`: its weights and/or its
+  // activation rows (both but for the weights requested before the wait)
+  auto copy_stage = [&](int sidx, int kt, bool weights, bool act) {
+    const uint32_t stage = smem_base + sidx * static_cast<uint32_t>(kL.stage_bytes);
+    if (weights) {
+      const uint32_t s_codes = stage + static_cast<uint32_t>(kL.codes_offset);
+      const uint32_t s_scales = stage + static_cast<uint32_t>(kL.scales_offset);
+      const uint8_t* gc = ld_codes + kt * (KC * 512);
+      const uint8_t* gs = ld_scales + kt * (KC * 64);
 #pragma unroll
-    for (int i = 0; i < kCodeIters; ++i)
-      if (ld_code_ok & (1u << i)) cp_async16(s_codes + (tid + i * kThreads) * 16, gc + code_gofs[i]);
+      for (int i = 0; i < kCodeIters; ++i)
+        if (ld_code_ok & (1u << i)) cp_async16(s_codes + (tid + i * kThreads) * 16, gc + code_gofs[i]);
 #pragma unroll
-    for (int i = 0; i < kScaleIters; ++i)
-      if (ld_scale_ok & (1u << i)) cp_async16(s_scales + (tid + i * kThreads) * 16, gs + scale_gofs[i]);
+      for (int i = 0; i < kScaleIters; ++i)
+        if (ld_scale_ok & (1u << i)) cp_async16(s_scales + (tid + i * kThreads) * 16, gs + scale_gofs[i]);
+    }
+    if (act) {
+      const uint8_t* ga = ld_act + kt * (BK * 2);
 #pragma unroll
-    for (int i = 0; i < kActIters; ++i)
-      if (ld_act_ok & (1u << i)) cp_async16(s_act + act_sofs[i], ga + act_gofs[i]);
+      for (int i = 0; i < kActIters; ++i)
+        if (ld_act_ok & (1u << i)) cp_async16(stage + act_sofs[i], ga + act_gofs[i]);
+    }
+  };
+  // issue the cp.asyncs of the next (tile, k-step) into the next stage, then advance; `weights`: false
+  // for the stages whose weights went before the wait
+  auto issue_load = [&](bool weights) {
+    copy_stage(ld_stage, ld_kt, weights, true);
     if (++ld_stage == STAGES) ld_stage = 0;
     if (++ld_kt == KT) {
       ld_kt = 0;
@@ -503,9 +523,22 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
   // and no drain (wait_group<0>) is needed at the barrier.
   constexpr int kAhead = MMA == 1 ? STAGES - 2 : STAGES - 1;
   static_assert(kAhead >= 1, "wgmma configs need at least 3 stages");
+  // Weights before the wait (p.weights_before_wait): the first tile's first stages' codes and scales
+  // stream in under the predecessor's tail (its last CTAs, the SMs they leave), so only the activation
+  // rows and the math follow the wait; a small GEMM2 (qwen3-30b at T = 1: one tile of 6 stages per CTA)
+  // then has all its weights in shared memory when its input arrives. They join the first commit group
+  // below, so the loop's accounting (stage s has landed once group s has) holds: group 0 carries them all.
+  int early = 0;
+  if (p.weights_before_wait) {
+    early = min(kAhead, KT);  // within the first tile: a CTA with work has at least KT k-steps
+#pragma unroll 1
+    for (int s = 0; s < early; ++s) copy_stage(s, s, true, false);
+    pdl_wait();
+    pdl_launch_dependents();
+  }
 #pragma unroll
   for (int s = 0; s < kAhead; ++s) {
-    if (s < total_iters) issue_load();
+    if (s < total_iters) issue_load(s >= early);
     cp_async_commit();
   }
 
@@ -528,7 +561,7 @@ sm80_nvfp4_grouped_gemm_kernel(const GroupedGemmParams p) {
     // landed cp.async data (generic proxy) must be visible to wgmma (async proxy)
     if constexpr (MMA == 1) fence_proxy_async_smem();
     __syncthreads();
-    if (it + kAhead < total_iters) issue_load();
+    if (it + kAhead < total_iters) issue_load(true);
     cp_async_commit();
 
     const uint8_t* stage = smem + stage_idx * kL.stage_bytes;
