@@ -9,6 +9,7 @@
 
 #include "fp4moe/cuda_check.hpp"
 #include "fp4moe/moe_layer.hpp"
+#include "fp4moe/planner.hpp"
 #include "gpu_test_util.hpp"
 
 namespace fp4moe {
@@ -148,6 +149,24 @@ TEST(MoeLayerRoutedGpu, BadIdsContributeNothingAndAreReportedByTheNextCall) {
   const std::string polled = layer.take_routing_error();
   EXPECT_NE(polled.find("topk_ids[0, 0] = -1000"), std::string::npos) << polled;
   EXPECT_EQ(layer.take_routing_error(), "");
+
+  // The same with GEMM1 on each config that counts the ids itself before its programmatic-launch wait
+  // (the stream configs; GroupedGemmArgs::route_ids): a skipped or bad id is dropped from the count
+  // exactly as from the offsets the permutation writes.
+  const ArchInfo arch = arch_from_device(0);
+  for (const TileConfig& c : kGemmConfigs) {
+    if (c.mma != 2 || !plan_sm80(c, arch).verdict.valid) continue;
+    if (cfg.hidden % c.bk != 0 || cfg.intermediate % c.bk != 0) continue;
+    SCOPED_TRACE(c.name());
+    MoeTileConfigs tiles;
+    tiles.gemm1 = tiles.gemm2 = tiles.shared_gemm1 = tiles.shared_gemm2 = c;
+    layer.set_tile_configs(tiles);
+    const std::vector<uint16_t> z = run_routed(layer, b, T, d_zero.as<int32_t>(), d_zw.as<float>(), st.s);
+    EXPECT_EQ(run_routed(layer, b, T, d_skip.as<int32_t>(), d_w.as<float>(), st.s), z);
+    const std::vector<uint16_t> g = run_routed(layer, b, T, d_bad.as<int32_t>(), d_w.as<float>(), st.s);
+    EXPECT_NE(layer.take_routing_error(), "");
+    EXPECT_EQ(g, run_routed(layer, b, T, d_bz.as<int32_t>(), d_bzw.as<float>(), st.s));
+  }
 }
 
 TEST(MoeLayerRoutedGpu, GraphCaptureEqualsEager) {
