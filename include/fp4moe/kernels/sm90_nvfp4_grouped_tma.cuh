@@ -179,15 +179,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   static_assert(kL.stage_bytes % 1024 == 0 && (BT * 128) % 1024 == 0,
                 "activation slabs must start on the 1024-byte period of the 128-byte swizzle");
 
-  // Programmatic dependent launch: the offsets and activation rows are the predecessor's results,
-  // visible after pdl_wait. With p.weights_before_wait the offsets were final before the predecessor
-  // began (GEMM2's, which GEMM1 waited for): the schedule is built before the wait, the producer requests
-  // the first tile's first stages of weights, then waits; every other thread waits before its first
-  // tile. Nothing that reads the predecessor's output, or the tile counter, runs before a wait.
-  if (!p.weights_before_wait) {
-    pdl_wait();
-    pdl_launch_dependents();
-  }
+  pdl_wait();  // offsets and activation rows are the predecessor's results
+  pdl_launch_dependents();
 
   extern __shared__ __align__(128) uint8_t smem[];  // 1024-byte alignment: checked below
   int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + kL.sched_offset);
@@ -251,8 +244,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     // w: the tile to fill; the count is reread from shared memory per tile, not held
     int w = static_cast<int>(blockIdx.x);
     int ti = 0;  // tiles filled
-    // Tile w's stages from k-step kt0 into the ring; returns the next tile's index.
-    auto fill_tile = [&](int kt0) {
+#pragma unroll 1
+    for (; KT > 0 && w < s_prefix[kMaxExperts + 1]; ++ti) {
       // Claimed tiles: hand this tile over, then claim the next one now: nothing in this tile's K loop
       // waits for the atomic (`next` is first read after it), so its ~1 us round trip passes under it.
       if (p.tile_counter != nullptr) hand_over(ti, w);
@@ -270,7 +263,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       const CUtensorMap* m_act = (t.extra ? p.tma.x_act : p.tma.act) + wsel;
       const int mrow = (t.extra ? 0 : t.expert * (p.n / 16)) + t.ftile * MT;  // first m-tile row of the map
 #pragma unroll 1
-      for (int kt = kt0; kt < KT; ++kt) {
+      for (int kt = 0; kt < KT; ++kt) {
         mbar_wait(bar_empty + 8 * stage, phase ^ 1u);  // a fresh barrier passes parity 1 at once
         const uint32_t full = bar_full + 8 * stage;
         mbar_arrive_expect_tx(full, tx);
@@ -284,53 +277,8 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
           phase ^= 1u;
         }
       }
-      return next;
-    };
-    // Weights before the wait (p.weights_before_wait): the first tile's first `pre` stages (fresh
-    // barriers) expect their bytes and get their weights' copies now, under the predecessor's tail; the
-    // wait; then their activation slabs (the predecessor's output); then the rest of the tile, in a copy
-    // of the loop's body of its own. Any state of this tile held into the loop, or a test there of
-    // which copies went out here, spilled `next` from the producer's 24 registers.
-    if (p.weights_before_wait) {
-      if (KT > 0 && w < s_prefix[kMaxExperts + 1]) {
-        const WorkTile t = decode_tile<BT>(w, s_prefix, p, p.num_experts + (p.x_offsets != nullptr ? 1 : 0),
-                                           TmaTokenTiles<kCfg>{p.tma_cut});
-        int wsel = 3;
-        tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
-        const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
-        const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
-        const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
-        const int mrow = (t.extra ? 0 : t.expert * (p.n / 16)) + t.ftile * MT;
-        const int pre = min(STAGES, KT);
-#pragma unroll 1
-        for (int kt = 0; kt < pre; ++kt) {
-          const uint32_t full = bar_full + 8 * kt;
-          mbar_arrive_expect_tx(full, tx);
-          const uint32_t st = smem_base + static_cast<uint32_t>(kt) * static_cast<uint32_t>(kL.stage_bytes);
-          tma_load_2d(st + static_cast<uint32_t>(kL.codes_offset), m_codes, kt * BK, mrow, full, pol_w);
-          tma_load_2d(st + static_cast<uint32_t>(kL.scales_offset), m_scales, kt * (BK / 8), mrow, full, pol_w);
-        }
-        pdl_wait();
-        pdl_launch_dependents();
-        const CUtensorMap* m_act = (t.extra ? p.tma.x_act : p.tma.act) + wsel;
-#pragma unroll 1
-        for (int kt = 0; kt < pre; ++kt) {
-          const uint32_t st = smem_base + static_cast<uint32_t>(kt) * static_cast<uint32_t>(kL.stage_bytes);
-#pragma unroll
-          for (int c = 0; c < KC; ++c)
-            tma_load_2d(st + c * BT * 128, m_act, kt * BK + c * 64, t.row0, bar_full + 8 * kt, pol_a);
-        }
-        stage = pre == STAGES ? 0 : pre;
-        phase = pre == STAGES ? 1u : 0u;
-        w = fill_tile(pre);
-        ++ti;
-      } else {
-        pdl_wait();  // no tile: this grid's completion must still imply the predecessor's
-        pdl_launch_dependents();
-      }
+      w = next;
     }
-#pragma unroll 1
-    for (; KT > 0 && w < s_prefix[kMaxExperts + 1]; ++ti) w = fill_tile(0);
     if (p.tile_counter != nullptr) {
       // This CTA's claims are done (the last came back >= total, or it had no first tile). The last CTA
       // to get here knows no claim can follow and zeroes the counter; the grid's completion publishes
@@ -355,10 +303,6 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     build_expert_prefix(p, E, lane, s_prefix, [&](int rows) { return ((rows + BT - 1) / BT) * ftiles; });
   }
   named_barrier_sync(1, 32 + WARPS * 32);  // the prefix is visible to the producer and every consumer
-  if (p.weights_before_wait) {  // the prefix came from final offsets; the rest reads what the predecessor wrote
-    pdl_wait();
-    pdl_launch_dependents();
-  }
   const int cw = warp - 4;
   float acc[C::WM][C::NT][4];
   int stage = 0;
