@@ -52,11 +52,12 @@ struct GroupedGemmArgs {
   // Launch with programmatic dependent launch (sm_90+; see moe_combine in moe_layer.hpp).
   bool programmatic_launch = false;
   // With programmatic_launch: expert_offsets (and an extra set's) were complete before the previous
-  // kernel in the stream began (GEMM2 reads the offsets GEMM1 read). The stream, pipeline and wgmma
-  // configs then build their schedule and request weights before waiting for the predecessor, whose
-  // output (`act`) they read only after the wait: the stream configs fill their weight ring, the others
-  // their first stages' weights, while the predecessor's last CTAs finish. Ignored by the tma configs
-  // and without programmatic_launch.
+  // kernel in the stream began (GEMM2 reads the offsets GEMM1 read). The config then builds its
+  // schedule and requests weights before waiting for the predecessor, whose output (`act`) it reads
+  // only after the wait, while the predecessor's last CTAs finish: the stream configs fill their weight
+  // ring; the pipeline and wgmma configs request their first stages' weights; the bt 32 tma configs
+  // request their first tile's first stages' weights and claim from the tile counter only after the
+  // wait. Ignored by the other tma configs and without programmatic_launch.
   bool offsets_ready_at_launch = false;
   // With programmatic_launch, stream configs only: expert_offsets are being written by the previous kernel
   // in the stream as the stable counting sort of these route_entries routing ids (ids outside

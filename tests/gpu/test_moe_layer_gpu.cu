@@ -795,7 +795,8 @@ static int layer_matches_reference_with_each_config(uint64_t seed, Take take) {
   return ran;
 }
 
-// The tma configs (sm_90a), each tile width.
+// The tma configs (sm_90a), each tile width; GEMM2 on the bt 32 configs requests its first tile's
+// weights before its programmatic-launch wait (the offsets are final at its launch).
 TEST(MoeLayerGpu, TmaTilesWithFusedSharedExpertMatchReference) {
   FP4MOE_SKIP_WITHOUT_GPU();
   const int ran = layer_matches_reference_with_each_config(77, [](const TileConfig& c) { return c.mma == 3; });

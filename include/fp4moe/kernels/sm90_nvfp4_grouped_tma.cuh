@@ -179,8 +179,23 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   static_assert(kL.stage_bytes % 1024 == 0 && (BT * 128) % 1024 == 0,
                 "activation slabs must start on the 1024-byte period of the 128-byte swizzle");
 
-  pdl_wait();  // offsets and activation rows are the predecessor's results
-  pdl_launch_dependents();
+  // Programmatic dependent launch: the offsets and activation rows are the predecessor's results,
+  // visible after pdl_wait. Where the offsets were final before the predecessor began (GEMM2's, which
+  // GEMM1 waited for: p.weights_before_wait), the bt 32 configs build their schedule before the wait,
+  // and the producer requests its first tile's first stages of weights, then waits (below); the other
+  // threads wait after the schedule's barrier. Nothing that reads the predecessor's output, or the tile
+  // counter, runs before a wait. Only the bt 32 configs (GEMM2 at T = 96..512 on the presets) carry the
+  // path: compiled into the others, it changed their code even where it did not run, and the bt 128
+  // kernels ran 4-6% slower at T = 2048 (bench/NOTES.md, twenty-first session). The others' code is the
+  // same as without it, instruction for instruction (checked with cuobjdump -sass).
+  constexpr bool kEarly = BT <= 32;
+  if constexpr (!kEarly) {
+    pdl_wait();
+    pdl_launch_dependents();
+  } else if (!p.weights_before_wait) {
+    pdl_wait();
+    pdl_launch_dependents();
+  }
 
   extern __shared__ __align__(128) uint8_t smem[];  // 1024-byte alignment: checked below
   int32_t* s_prefix = reinterpret_cast<int32_t*>(smem + kL.sched_offset);
@@ -244,6 +259,72 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     // w: the tile to fill; the count is reread from shared memory per tile, not held
     int w = static_cast<int>(blockIdx.x);
     int ti = 0;  // tiles filled
+    if constexpr (kEarly) {
+      // Weights before the wait (p.weights_before_wait, the narrow tiles only, see the kernel's top): the
+      // first tile here, whole. Its first `pre` stages (fresh barriers) expect their bytes and get their
+      // weights' copies before the wait, under the predecessor's tail; their activation slabs (its
+      // output) after it; the tile counter is claimed after it; then the tile's other stages. The loop
+      // below continues with the next tile. Written out here rather than as a branch or a shared body
+      // in the loop: with 24 registers, state of this tile held into the loop spilled the claimed index,
+      // and any restructuring of the loop changed the code of the configs without this path (whose
+      // bt 128 kernels then ran 4-6% slower at T = 2048; bench/NOTES.md, twenty-first session).
+      if (p.weights_before_wait) {
+        if (KT > 0 && w < s_prefix[kMaxExperts + 1]) {
+          if (p.tile_counter != nullptr) hand_over(ti, w);
+          const WorkTile t = decode_tile<BT>(w, s_prefix, p, p.num_experts + (p.x_offsets != nullptr ? 1 : 0),
+                                             TmaTokenTiles<kCfg>{p.tma_cut});
+          int wsel = 3;
+          tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
+          const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
+          const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
+          const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
+          const CUtensorMap* m_act = (t.extra ? p.tma.x_act : p.tma.act) + wsel;
+          const int mrow = (t.extra ? 0 : t.expert * (p.n / 16)) + t.ftile * MT;
+          const int pre = min(STAGES, KT);
+#pragma unroll 1
+          for (int kt = 0; kt < pre; ++kt) {
+            const uint32_t full = bar_full + 8 * kt;
+            mbar_arrive_expect_tx(full, tx);
+            const uint32_t st = smem_base + static_cast<uint32_t>(kt) * static_cast<uint32_t>(kL.stage_bytes);
+            tma_load_2d(st + static_cast<uint32_t>(kL.codes_offset), m_codes, kt * BK, mrow, full, pol_w);
+            tma_load_2d(st + static_cast<uint32_t>(kL.scales_offset), m_scales, kt * (BK / 8), mrow, full, pol_w);
+          }
+          pdl_wait();
+          pdl_launch_dependents();
+#pragma unroll 1
+          for (int kt = 0; kt < pre; ++kt) {
+            const uint32_t st = smem_base + static_cast<uint32_t>(kt) * static_cast<uint32_t>(kL.stage_bytes);
+#pragma unroll
+            for (int c = 0; c < KC; ++c)
+              tma_load_2d(st + c * BT * 128, m_act, kt * BK + c * 64, t.row0, bar_full + 8 * kt, pol_a);
+          }
+          const int next = p.tile_counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1)
+                                                     : w + static_cast<int>(gridDim.x);
+          stage = pre == STAGES ? 0 : pre;
+          phase = pre == STAGES ? 1u : 0u;
+#pragma unroll 1
+          for (int kt = pre; kt < KT; ++kt) {
+            mbar_wait(bar_empty + 8 * stage, phase ^ 1u);
+            const uint32_t full = bar_full + 8 * stage;
+            mbar_arrive_expect_tx(full, tx);
+            const uint32_t st = smem_base + static_cast<uint32_t>(stage) * static_cast<uint32_t>(kL.stage_bytes);
+            tma_load_2d(st + static_cast<uint32_t>(kL.codes_offset), m_codes, kt * BK, mrow, full, pol_w);
+            tma_load_2d(st + static_cast<uint32_t>(kL.scales_offset), m_scales, kt * (BK / 8), mrow, full, pol_w);
+#pragma unroll
+            for (int c = 0; c < KC; ++c) tma_load_2d(st + c * BT * 128, m_act, kt * BK + c * 64, t.row0, full, pol_a);
+            if (++stage == STAGES) {
+              stage = 0;
+              phase ^= 1u;
+            }
+          }
+          w = next;
+          ++ti;
+        } else {
+          pdl_wait();  // no tile: this grid's completion must still imply the predecessor's
+          pdl_launch_dependents();
+        }
+      }
+    }
 #pragma unroll 1
     for (; KT > 0 && w < s_prefix[kMaxExperts + 1]; ++ti) {
       // Claimed tiles: hand this tile over, then claim the next one now: nothing in this tile's K loop
@@ -303,6 +384,12 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     build_expert_prefix(p, E, lane, s_prefix, [&](int rows) { return ((rows + BT - 1) / BT) * ftiles; });
   }
   named_barrier_sync(1, 32 + WARPS * 32);  // the prefix is visible to the producer and every consumer
+  if constexpr (kEarly) {
+    if (p.weights_before_wait) {  // the prefix came from final offsets; the rest reads what the predecessor wrote
+      pdl_wait();
+      pdl_launch_dependents();
+    }
+  }
   const int cw = warp - 4;
   float acc[C::WM][C::NT][4];
   int stage = 0;
