@@ -264,10 +264,11 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       // first tile here, whole. Its first `pre` stages (fresh barriers) expect their bytes and get their
       // weights' copies before the wait, under the predecessor's tail; their activation slabs (its
       // output) after it; the tile counter is claimed after it; then the tile's other stages. The loop
-      // below continues with the next tile. Written out here rather than as a branch or a shared body
-      // in the loop: with 24 registers, state of this tile held into the loop spilled the claimed index,
-      // and any restructuring of the loop changed the code of the configs without this path (whose
-      // bt 128 kernels then ran 4-6% slower at T = 2048; bench/NOTES.md, twenty-first session).
+      // below continues with the next tile. Written out here, its stage loop a copy of the loop's, rather
+      // than as a branch in the loop or a body shared with it: with 24 registers, state of this tile held
+      // into the loop spilled the claimed index, and any restructuring of the loop (a shared lambda
+      // included) changed the code of the configs without this path, whose bt 128 kernels then ran 4-6%
+      // slower at T = 2048 (bench/NOTES.md, twenty-first session).
       if (p.weights_before_wait) {
         if (KT > 0 && w < s_prefix[kMaxExperts + 1]) {
           if (p.tile_counter != nullptr) hand_over(ti, w);
