@@ -24,8 +24,10 @@ export FP4MOE_TUNE_CACHE=$PWD/tune
 timeout 60 "$BIN" --model qwen3-30b --tokens 1,3 --variant w12_d4_c2 --reps 3 --trace 1 > "$OUT/first.txt" 2>&1
 echo "first rc=$? $(( $(date +%s) - T0 )) s" >> "$OUT/gpu.txt"
 for tool in memcheck racecheck; do
-  timeout 120 compute-sanitizer --tool $tool "$BIN" --model qwen3-30b --tokens 3 --variant w8_d8_c2 --s1 2 --s2 2 \
-    --reps 1 > "$OUT/san-$tool.txt" 2>&1
+  # the tiny preset (H = 256, I = 128, 8 experts, a shared expert), pieces down to one chunk so that both
+  # GEMMs split; T = 3 and 8 (the second cp.async row)
+  timeout 120 compute-sanitizer --tool $tool "$BIN" --model tiny --tokens 3,8 --variant w8_d8_c2 --min-chunks 1 \
+    --ceilings 0 --reps 1 > "$OUT/san-$tool.txt" 2>&1
   echo "$tool rc=$? $(( $(date +%s) - T0 )) s" >> "$OUT/gpu.txt"
 done
 left=$(( ${FUSED_PROBE_BUDGET_S:-570} - ($(date +%s) - T0) ))

@@ -35,6 +35,8 @@
 //
 //   fp4moe_probe_fused_decode [--reps N] [--model M[,M]] [--tokens 1,2,4,8] [--variant NAME] [--s1 N] [--s2 N]
 //                             [--trace 1]   (a per-warp timeline of the first, eager launch of each variant)
+//                             [--ceilings 0] [--min-chunks N]   (for compute-sanitizer: no ceiling runs, and
+//                             split m-tiles with pieces down to N chunks, so that the tiny preset splits too)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -679,7 +681,8 @@ std::vector<std::string> split_list(const std::string& s) {
 
 int main(int argc, char** argv) {
   int reps = 20, only_s1 = -1, only_s2 = -1;
-  bool want_trace = false;
+  bool want_trace = false, want_ceilings = true;
+  int min_chunks = 4;  // K chunks per piece when an m-tile is split (S > 1)
   std::string models = "glm-5,kimi-k2,gpt-oss-120b,qwen3-30b", token_list = "1,2,4,8", only_variant;
   for (int i = 1; i + 1 < argc; ++i) {
     const std::string a = argv[i];
@@ -690,13 +693,18 @@ int main(int argc, char** argv) {
     else if (a == "--s1") only_s1 = std::atoi(argv[++i]);
     else if (a == "--s2") only_s2 = std::atoi(argv[++i]);
     else if (a == "--trace") want_trace = std::atoi(argv[++i]) != 0;
+    else if (a == "--ceilings") want_ceilings = std::atoi(argv[++i]) != 0;
+    else if (a == "--min-chunks") min_chunks = std::max(1, std::atoi(argv[++i]));
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   cudaStream_t st;
   FP4MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   cudaDeviceProp prop{};
   FP4MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const bench::Ceilings ceil = bench::measure_ceilings(st);
+  // --ceilings 0 (under compute-sanitizer): no ceiling runs; the ratios to the read ceiling print as 0
+  bench::Ceilings ceil;
+  if (want_ceilings) ceil = bench::measure_ceilings(st);
+  else ceil.stream_read_tbps = 1e30;
   std::printf("GPU %s, %d SMs; read ceiling %.2f TB/s (same run)\n", prop.name, prop.multiProcessorCount,
               ceil.stream_read_tbps);
   for (const Variant& v : kVariants) {
@@ -797,10 +805,10 @@ int main(int argc, char** argv) {
         const int grid = prop.multiProcessorCount * v.ctas;
         for (int S1 : {1, 2, 4, 8}) {
           if (only_s1 >= 0 && S1 != only_s1) continue;
-          if (H / 64 / S1 < 4) continue;
+          if (S1 > 1 && H / 64 / S1 < min_chunks) continue;
           for (int S2 : {1, 2, 4}) {
             if (only_s2 >= 0 && S2 != only_s2) continue;
-            if (I / 64 / S2 < 4) continue;
+            if (S2 > 1 && I / 64 / S2 < min_chunks) continue;
             FusedParams fp{};
             fp.w1c = w1c.get();
             fp.w1s = w1s.get();
