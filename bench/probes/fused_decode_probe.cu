@@ -349,20 +349,17 @@ __device__ __forceinline__ void gemm2_store(const FusedParams& p, const CtaState
   for (int o = lane; o < p.T * 4; o += 32) {
     const int t = o >> 2, f0 = itm.m * 16 + (o & 3) * 4;
     float s4[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < p.k; ++s) {
-      const int id = __ldg(p.ids + t * p.k + s);
-      if (id < 0 || id >= p.E) continue;
+    auto add_slot = [&](int s) {  // four bf16 of (token t, slot s) into the fp32 sums
       const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p.y + (static_cast<int64_t>(t) * (p.k + 1) + s) * p.H + f0));
       const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&v.x);
       const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&v.y);
       s4[0] += __low2float(a), s4[1] += __high2float(a), s4[2] += __low2float(b), s4[3] += __high2float(b);
+    };
+    for (int s = 0; s < p.k; ++s) {
+      const int id = __ldg(p.ids + t * p.k + s);
+      if (id >= 0 && id < p.E) add_slot(s);
     }
-    if (shared) {
-      const uint2 v = __ldcg(reinterpret_cast<const uint2*>(p.y + (static_cast<int64_t>(t) * (p.k + 1) + p.k) * p.H + f0));
-      const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&v.x);
-      const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&v.y);
-      s4[0] += __low2float(a), s4[1] += __high2float(a), s4[2] += __low2float(b), s4[3] += __high2float(b);
-    }
+    if (shared) add_slot(p.k);  // the shared expert last, as moe_combine adds it
     __nv_bfloat162 r0 = __floats2bfloat162_rn(s4[0], s4[1]), r1 = __floats2bfloat162_rn(s4[2], s4[3]);
     uint2 w;
     w.x = *reinterpret_cast<uint32_t*>(&r0);
