@@ -22,14 +22,23 @@ T0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 export FP4MOE_TUNE_CACHE=$PWD/tune
 timeout 60 "$BIN" --model qwen3-30b --tokens 1,3 --variant w12_d4_c2 --reps 3 --trace 1 > "$OUT/first.txt" 2>&1
-echo "first rc=$? $(( $(date +%s) - T0 )) s" >> "$OUT/gpu.txt"
-for tool in memcheck racecheck; do
+rc=$?
+echo "first rc=$rc $(( $(date +%s) - T0 )) s" >> "$OUT/gpu.txt"
+# memcheck says where a crash comes from; after a hang (rc 124) only memcheck runs, briefly
+tools="memcheck racecheck"; [ $rc -eq 124 ] && tools=memcheck
+for tool in $tools; do
   # the tiny preset (H = 256, I = 128, 8 experts, a shared expert), pieces down to one chunk so that both
   # GEMMs split; T = 3 and 8 (the second cp.async row)
-  timeout 120 compute-sanitizer --tool $tool "$BIN" --model tiny --tokens 3,8 --variant w8_d8_c2 --min-chunks 1 \
+  timeout 60 compute-sanitizer --tool $tool "$BIN" --model tiny --tokens 3,8 --variant w8_d8_c2 --min-chunks 1 \
     --ceilings 0 --reps 1 > "$OUT/san-$tool.txt" 2>&1
   echo "$tool rc=$? $(( $(date +%s) - T0 )) s" >> "$OUT/gpu.txt"
 done
-left=$(( ${FUSED_PROBE_BUDGET_S:-570} - ($(date +%s) - T0) ))
-timeout $left "$BIN" --trace 1 > "$OUT/sweep.txt" 2>&1
-echo "sweep rc=$? $(( $(date +%s) - T0 )) s" >> "$OUT/gpu.txt"
+[ $rc -eq 124 ] && exit 1
+# the sweep, one preset per process so that a hang costs one preset's share
+for m in qwen3-30b glm-5 gpt-oss-120b kimi-k2; do
+  left=$(( ${FUSED_PROBE_BUDGET_S:-570} - ($(date +%s) - T0) ))
+  [ $left -lt 20 ] && break
+  share=$(( left < 150 ? left : 150 ))
+  timeout $share "$BIN" --model $m --trace 1 > "$OUT/sweep-$m.txt" 2>&1
+  echo "sweep $m rc=$? $(( $(date +%s) - T0 )) s" >> "$OUT/gpu.txt"
+done
