@@ -183,19 +183,26 @@ template <int WARPS>
 __device__ __forceinline__ WarpQ& warp_q(uint8_t* smem) {
   return reinterpret_cast<WarpQ*>(smem + sizeof(CtaState))[threadIdx.x >> 5];
 }
-// Shared memory: CtaState, the warps' queues, the warps' activation rings (DEPTH slots of tp x 128 bytes
-// each), then (XS) x staged whole: chunk c's tp rows at c * tp * 128, 16-byte units swizzled by row.
+// Shared memory: CtaState, the warps' queues, the warps' activation rings (DEPTH slots of kTM x 128 bytes
+// each, whatever T: a slot's address is then an immediate offset, not arithmetic in the hot loop), then
+// (XS) x staged whole: chunk c's tp rows at c * tp * 128, 16-byte units swizzled by row.
+constexpr uint32_t kSlotBytes = kTM * 128;
 template <int WARPS>
 constexpr int smem_head() {
   return (sizeof(CtaState) + WARPS * sizeof(WarpQ) + 127) / 128 * 128;
 }
 template <int WARPS, int DEPTH>
-__device__ __forceinline__ uint32_t ring_base(uint8_t* smem, int tp) {
-  return smem_u32(smem + smem_head<WARPS>()) + (threadIdx.x >> 5) * (DEPTH * tp * 128);
+__device__ __forceinline__ uint32_t ring_base(uint8_t* smem) {
+  return smem_u32(smem + smem_head<WARPS>()) + (threadIdx.x >> 5) * (DEPTH * kSlotBytes);
 }
 template <int WARPS, int DEPTH>
 __device__ __forceinline__ uint32_t staged_x_base(uint8_t* smem, int tp) {
-  return smem_u32(smem + smem_head<WARPS>()) + WARPS * DEPTH * tp * 128;
+  return smem_u32(smem + smem_head<WARPS>()) + WARPS * DEPTH * kSlotBytes;
+}
+
+// 16 bytes, of which src_bytes (16 or 0) are read and the rest zero-filled
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
 __device__ __forceinline__ int load_acquire(const int32_t* p) {
@@ -496,17 +503,23 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS) fused_decode_kernel(const __
   WarpQ& wq = warp_q<WARPS>(smem);
   const int lane = threadIdx.x & 31;
   const int tp = p.tp;
-  const uint32_t ring = ring_base<WARPS, DEPTH>(smem, tp);
-  const uint32_t slot_bytes = tp * 128;
+  const uint32_t ring = ring_base<WARPS, DEPTH>(smem);
+  [[maybe_unused]] const uint32_t xchunk_bytes = tp * 128;  // XS: a staged x chunk
   // this lane's cp.async destinations within a slot (row r = lane / 8 and r + 4, unit lane % 8, swizzled)
   // and its ldmatrix row addresses (matrix lane / 8 of a k32 half, token row lane % 8, clamped to T - 1)
   const int cr = lane >> 3, cu = lane & 7;
-  const uint32_t cdst0 = cr * 128 + ((cu ^ cr) & 7) * 16;
-  const uint32_t cdst1 = (cr + 4) * 128 + ((cu ^ (cr + 4)) & 7) * 16;
-  const bool c0ok = cr < p.T, c1ok = cr + 4 < p.T;
+  // Rows past T are copied as zeros (src-size 0: nothing is read; the addresses stay inside the buffers,
+  // which hold kTM rows), so the copies need no predicate; the second row only exists for T > 4.
+  uint32_t cdst0 = cr * 128 + ((cu ^ cr) & 7) * 16;
+  uint32_t cdst1 = (cr + 4) * 128 + ((cu ^ (cr + 4)) & 7) * 16;
+  uint32_t csz0 = cr < p.T ? 16u : 0u, csz1 = cr + 4 < p.T ? 16u : 0u;
+  const bool two_rows = p.T > 4;
   const int lr = min(lane & 7, p.T - 1);
-  const uint32_t lm0 = lr * 128 + (((lane >> 3) ^ lr) & 7) * 16;        // units 0..3: steps 0, 1
-  const uint32_t lm1 = lr * 128 + (((4 + (lane >> 3)) ^ lr) & 7) * 16;  // units 4..7: steps 2, 3
+  uint32_t lm0 = lr * 128 + (((lane >> 3) ^ lr) & 7) * 16;        // units 0..3: steps 0, 1
+  uint32_t lm1 = lr * 128 + (((4 + (lane >> 3)) ^ lr) & 7) * 16;  // units 4..7: steps 2, 3
+  // opaque to ptxas, which would otherwise recompute them from %tid at every chunk (~20 ALU instructions
+  // per chunk in the first build's SASS) rather than hold six registers
+  asm volatile("" : "+r"(cdst0), "+r"(cdst1), "+r"(csz0), "+r"(csz1), "+r"(lm0), "+r"(lm1));
 
   Cursor cur{nullptr, nullptr, nullptr, 0u, 0u, 0};
   [[maybe_unused]] uint32_t sbase[DEPTH];  // XS: each slot's rows (its ring slot, or the staged x chunk)
@@ -519,19 +532,19 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS) fused_decode_kernel(const __
     if (cur.left > 0) {
       ring_c[d] = ldg_stream_v4(cur.lc + dep);
       ring_s[d] = ldg_stream_v2(cur.ls + dep);
-      const uint32_t slot = ring + d * slot_bytes;
+      const uint32_t slot = ring + d * kSlotBytes;
       if constexpr (XS) {
         if (cur.sa != 0u) {
           sbase[d] = cur.sa;
-          cur.sa += slot_bytes;
+          cur.sa += xchunk_bytes;
         } else {
           sbase[d] = slot;
-          if (c0ok) cp_async16(slot + cdst0, cur.la);
-          if (c1ok) cp_async16(slot + cdst1, cur.la + 4 * cur.ast);
+          cp_async16_zfill(slot + cdst0, cur.la, csz0);
+          if (two_rows) cp_async16_zfill(slot + cdst1, cur.la + 4 * cur.ast, csz1);
         }
       } else {
-        if (c0ok) cp_async16(slot + cdst0, cur.la);
-        if (c1ok) cp_async16(slot + cdst1, cur.la + 4 * cur.ast);
+        cp_async16_zfill(slot + cdst0, cur.la, csz0);
+        if (two_rows) cp_async16_zfill(slot + cdst1, cur.la + 4 * cur.ast, csz1);
       }
       cur.lc += 512;
       cur.ls += 64;
@@ -568,7 +581,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS) fused_decode_kernel(const __
   auto step = [&](int d) {
     uint32_t slot;
     if constexpr (XS) slot = sbase[d];
-    else slot = ring + d * slot_bytes;
+    else slot = ring + d * kSlotBytes;
     uint32_t b[8];
     ldmatrix_x4(slot + lm0, b[0], b[1], b[2], b[3]);
     ldmatrix_x4(slot + lm1, b[4], b[5], b[6], b[7]);
@@ -647,7 +660,6 @@ const Variant kVariants[] = {
     FP4MOE_PROBE_VARIANT("w12_d4_c2", 12, 4, 2, false, false),
     FP4MOE_PROBE_VARIANT("w8_d8_c2", 8, 8, 2, false, false),
     FP4MOE_PROBE_VARIANT("w16_d8_c1_inl", 16, 8, 1, true, false),
-    FP4MOE_PROBE_VARIANT("w12_d4_c2_inl", 12, 4, 2, true, false),
     FP4MOE_PROBE_VARIANT("w8_d8_c2_inl", 8, 8, 2, true, false),
     FP4MOE_PROBE_VARIANT("w16_d8_c1_xs", 16, 8, 1, false, true),
     FP4MOE_PROBE_VARIANT("w12_d4_c2_xs", 12, 4, 2, false, true),
@@ -658,7 +670,7 @@ const Variant kVariants[] = {
 int rows_per_slot(int T) { return T <= 1 ? 1 : T <= 2 ? 2 : T <= 4 ? 4 : 8; }
 size_t smem_bytes(const Variant& v, int T, int64_t H) {
   const size_t tp = rows_per_slot(T);
-  return v.head + static_cast<size_t>(v.warps) * v.depth * tp * 128 + (v.xs ? static_cast<size_t>(H) * tp * 2 : 0);
+  return v.head + static_cast<size_t>(v.warps) * v.depth * kSlotBytes + (v.xs ? static_cast<size_t>(H) * tp * 2 : 0);
 }
 
 std::vector<std::string> split_list(const std::string& s) {
