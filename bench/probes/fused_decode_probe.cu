@@ -786,6 +786,52 @@ int main(int argc, char** argv) {
       const std::vector<__nv_bfloat16> href = out_lib.download();
       float refmax = 0.f;
       for (auto v : href) refmax = std::max(refmax, std::fabs(__bfloat162float(v)));
+      // The layer's own intermediates of that call, to tell which stage a wrong output comes from: its
+      // GEMM1 and GEMM2 rows in expert-sorted order, row_of (token, slot) -> row, and the shared expert's
+      // GEMM2 output. The probe's active expert a of expert e: e's rank among the routed ids (the shared
+      // expert last), as every CTA derives it.
+      const MoeIntermediates im = layer.intermediates(ws.get());
+      auto fetch_bf16 = [&](const void* src, size_t n) {
+        std::vector<__nv_bfloat16> v(n);
+        FP4MOE_CUDA_CHECK(cudaMemcpy(v.data(), src, n * 2, cudaMemcpyDeviceToHost));
+        return v;
+      };
+      std::vector<int32_t> row_of(static_cast<size_t>(T) * K);
+      FP4MOE_CUDA_CHECK(cudaMemcpy(row_of.data(), im.row_of, row_of.size() * 4, cudaMemcpyDeviceToHost));
+      const std::vector<__nv_bfloat16> lib_g1 = fetch_bf16(im.gemm1_out, static_cast<size_t>(T) * K * I);
+      const std::vector<__nv_bfloat16> lib_g2 = fetch_bf16(im.gemm2_out, static_cast<size_t>(T) * K * H);
+      const std::vector<__nv_bfloat16> lib_sg2 =
+          shared ? fetch_bf16(im.shared_gemm2_out, static_cast<size_t>(T) * H) : std::vector<__nv_bfloat16>{};
+      std::vector<int> rank(E + 1, -1);
+      {
+        int a = 0;
+        for (int e = 0; e < E; ++e)
+          if (used[e]) rank[e] = a++;
+        if (shared) rank[E] = a;
+      }
+      // largest differences of the probe's h (GEMM1) and y (GEMM2) to the layer's, over the routed pairs
+      auto stage_diffs = [&](float& d1, float& d2) {
+        const std::vector<__nv_bfloat16> ph = hbuf.download(), py = ybuf.download();
+        d1 = d2 = 0.f;
+        auto df = [](__nv_bfloat16 a, __nv_bfloat16 b) {
+          const float x = __bfloat162float(a), y = __bfloat162float(b);
+          return std::isfinite(x) ? std::fabs(x - y) : INFINITY;
+        };
+        for (int t = 0; t < T; ++t)
+          for (int sl = 0; sl < K; ++sl) {
+            const int e = hid[t * K + sl];
+            if (e < 0 || e >= E) continue;
+            const int64_t r = row_of[t * K + sl];
+            for (int64_t j = 0; j < I; ++j)
+              d1 = std::max(d1, df(ph[(static_cast<int64_t>(rank[e]) * kTM + t) * I + j], lib_g1[r * I + j]));
+            for (int64_t f = 0; f < H; ++f)
+              d2 = std::max(d2, df(py[(static_cast<int64_t>(t) * (K + 1) + sl) * H + f], lib_g2[r * H + f]));
+          }
+        if (shared)
+          for (int t = 0; t < T; ++t)
+            for (int64_t f = 0; f < H; ++f)
+              d2 = std::max(d2, df(py[(static_cast<int64_t>(t) * (K + 1) + K) * H + f], lib_sg2[t * H + f]));
+      };
       const double lib_us = bench::time_graph_us(lib, st, reps);
       std::printf("  T = %d: %d active experts, %.1f MB of weights (%.1f us at the read ceiling)\n", T, active,
                   wbytes / 1e6, wbytes / ceil.stream_read_tbps / 1e6);
@@ -907,6 +953,8 @@ int main(int argc, char** argv) {
               tline = b;
             }
             const std::vector<__nv_bfloat16> h1 = out.download();
+            float d1 = 0.f, d2 = 0.f;
+            stage_diffs(d1, d2);
             float dmax = 0.f;
             bool finite = true;
             for (int i = 0; i < T * H; ++i) {
@@ -925,9 +973,9 @@ int main(int argc, char** argv) {
             // a layout or protocol error gives differences of the output's own size; a split m-tile's
             // summation order, a few bf16 ulps
             const bool plausible = finite && same && dmax <= 0.02f * refmax;
-            std::printf("      max |diff| to the layer %.3g (of max |out| %.3g)%s%s%s\n", dmax, refmax,
-                        finite ? "" : "  NON-FINITE OUTPUT", same ? "" : "  NOT BIT-IDENTICAL ON RERUN",
-                        plausible ? "" : "  WRONG");
+            std::printf("      max |diff| to the layer %.3g (of max |out| %.3g; GEMM1 rows %.3g, GEMM2 rows %.3g)%s%s%s\n",
+                        dmax, refmax, d1, d2, finite ? "" : "  NON-FINITE OUTPUT",
+                        same ? "" : "  NOT BIT-IDENTICAL ON RERUN", plausible ? "" : "  WRONG");
             std::fputs(tline.c_str(), stdout);
             if (plausible && us < best_us) {
               best_us = us;
