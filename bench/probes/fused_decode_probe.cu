@@ -27,11 +27,18 @@
 // (token, slot), fp32 sum from 0 in slot order, + shared expert, bf16. Only the fp32 order inside a split
 // m-tile differs from the library's kernels, so the output is compared with the layer's within a bound.
 //
-// Output per preset and T: the library's layer (forward_routed, graph replay, L2 flushed) and the probe's
-// kernel for each (warps, depth, pieces) variant: us, TB/s of weight bytes, ratio to the read ceiling
-// measured in the same run, ratio to the layer, the largest difference to the layer's output, and whether
-// a rerun is bit-identical. NVFP4 presets; gpt-oss-120b's shape runs as NVFP4 with plain SwiGLU and no
-// biases (the structure is the question, not its MXFP4 epilogue).
+// Variants: warps x ring depth x CTAs per SM; `_inl` with the item start and end inlined (as calls, ptxas
+// drains the ring at each); `_xs` with x (GEMM1's activations) staged whole in the CTA instead of through
+// the ring. Each with S1 / S2 pieces per GEMM1 / GEMM2 m-tile.
+//
+// Output per preset and T (graph replay, L2 flushed): the library's layer (forward_routed on the same
+// routing; forward from the logits; its routing stage alone) and each probe variant: us, TB/s of weight
+// bytes, ratio to the read ceiling measured in the same run, ratio to the layer; the largest difference
+// to the layer's output and to its GEMM1 and GEMM2 rows (its intermediates of the same call), whether a
+// rerun is bit-identical, and WRONG where either fails; with --trace, the warps' end spread. The fastest
+// plausible variant is timed once more after the layer's routing stage, against the layer's forward.
+// NVFP4 presets; gpt-oss-120b's shape runs as NVFP4 with plain SwiGLU and no biases (the structure is
+// the question, not its MXFP4 epilogue).
 //
 //   fp4moe_probe_fused_decode [--reps N] [--model M[,M]] [--tokens 1,2,4,8] [--variant NAME] [--s1 N] [--s2 N]
 //                             [--trace 1]   (a per-warp timeline of the first, eager launch of each variant)
