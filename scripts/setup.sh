@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs fp4moe's build dependencies (pinned Debian 12 "bookworm" versions) and the pinned CUTLASS
-# headers of the CPU proof tests (PyPI nvidia-cutlass, hash-checked, unpacked into .deps/). Idempotent:
+# Installs fp4moe's build dependencies (pinned Debian 12 "bookworm" versions), the pinned CUTLASS
+# headers of the CPU proof tests (PyPI nvidia-cutlass, hash-checked, unpacked into .deps/) and the
+# pinned cuobjdump and nvdisasm of the CPU-side SASS check (PyPI nvidia-cuda-cuobjdump / -nvdisasm,
+# likewise). Idempotent:
 # a package already present is left alone, so a second run costs a few dpkg queries and a file test.
 # Needs: the CUDA toolkit (nvcc 13.x) on PATH or in /usr/local/cuda; it is not a Debian package.
 set -euo pipefail
@@ -61,6 +63,34 @@ with zipfile.ZipFile(wheel) as z:
             out.write_bytes(z.read(name))
 PY
   rm -rf .deps/wheels
+fi
+
+# cuobjdump and nvdisasm (the SASS check of the wgmma kernels, scripts/sass_wgmma_loops.py): each
+# wheel's one binary is kept, side by side (cuobjdump finds nvdisasm beside itself). Not fatal: without
+# them (no network, another platform) that ctest reports itself skipped.
+SASS_TOOLS_DIR=.deps/cuobjdump-13.5.37
+if [ ! -x "$SASS_TOOLS_DIR/cuobjdump" ] || [ ! -x "$SASS_TOOLS_DIR/nvdisasm" ]; then
+  echo "setup: fetching nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm 13.5.37 (the SASS check of the wgmma kernels)"
+  rm -rf "$SASS_TOOLS_DIR" .deps/wheels-sass
+  mkdir -p .deps/wheels-sass
+  if python3 -m pip download --quiet --no-deps --only-binary=:all: --require-hashes \
+      -r scripts/requirements-sass.txt -d .deps/wheels-sass; then
+    python3 - "$SASS_TOOLS_DIR" .deps/wheels-sass/*.whl <<'PY'
+import os, sys, zipfile, pathlib
+dest = pathlib.Path(sys.argv[1])
+dest.mkdir(parents=True, exist_ok=True)
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if name.startswith("nvidia/cu13/bin/") and not name.endswith("/"):
+                out = dest / os.path.basename(name)
+                out.write_bytes(z.read(name))
+                os.chmod(out, 0o755)
+PY
+  else
+    echo "setup: the SASS tools were not fetched: the ctest sass_no_r2ur_in_wgmma_loops will be skipped" >&2
+  fi
+  rm -rf .deps/wheels-sass
 fi
 
 if ! command -v nvcc >/dev/null 2>&1; then
