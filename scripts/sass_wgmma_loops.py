@@ -10,8 +10,8 @@ holds an R2UR. A wgmma reads its shared-memory descriptors from uniform register
 descriptor's per-step update is two or three uniform-datapath instructions (UMOV, ULOP3). Where ptxas
 cannot keep the descriptor base uniform, it holds it in a vector register and moves it over at every
 step: two R2UR, a LOP3 and a MOV per HGMMA, on the ALU and FMA pipes that the dequantization already
-saturates. A change outside the loop can cause that. The twenty-second session's epilogue patch
-(bench/experiments/tma-flat-swiglu-movmatrix.patch) put 40 and 64 R2UR into the two wide SwiGLU loops,
+saturates. A change outside the loop can cause that. The first form of the twenty-second session's
+movmatrix tile end (bench/NOTES.md) put 40 and 64 R2UR into the two wide SwiGLU loops,
 and the twenty-first session measured such reallocations at 4-6%. No kernel of the build has one.
 
 `diff` prints, for every kernel of BASE that has a wgmma loop, whether NEW's code is identical, else

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device call that decides a tma-kernel epilogue patch (first: tma-flat-swiglu-movmatrix.patch):
+# The device call that decides a tma-kernel epilogue change (first used for the wide tiles' movmatrix tile end):
 # the patched build's tma and layer GPU tests, then the GEMMs and the layer, base against patched,
 # alternated, at the prefill points where the wide tiles run.
 #

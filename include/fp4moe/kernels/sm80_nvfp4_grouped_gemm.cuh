@@ -217,7 +217,14 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
                                             int valid_nt, const float (&acc)[NT][4],
                                             const float* rs_smem = nullptr) {
   static_assert(!FLAT || RS_BATCH == 0 || EPI != kEpiPlain, "the flat epilogue reads row scales from shared memory");
-  if (mt >= p.n / 16) return;
+  // An m-tile past N has nothing to store. The flat SwiGLU epilogue does not return for it: its warp still
+  // runs the n-tile loop, with its loads and stores predicated off. That loop holds a movmatrix (below),
+  // and a warp-synchronous instruction behind this data-dependent return took the wide tma kernels' K
+  // loops off the uniform datapath (their wgmma descriptors moved with 2 R2UR per step;
+  // scripts/sass_wgmma_loops.py, bench/NOTES.md twenty-second session).
+  constexpr bool kNoReturn = FLAT && EPI != kEpiPlain;
+  const bool live_mt = mt < p.n / 16;
+  if (!kNoReturn && !live_mt) return;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const float gs = __ldg(xs ? p.x_global_scale : p.global_scale + e) * layout::kAccumulatorScale;
@@ -290,22 +297,30 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
     const int jn = mt * 8 + g;  // output column (gate row jn, up row n/2 + jn)
     const int half = p.n / 2;
     float bg = 0.f, bu = 0.f;
-    if (bias != nullptr) {
+    if (bias != nullptr && live_mt) {
       bg = __ldg(bias + jn);
       bu = __ldg(bias + half + jn);
     }
     if constexpr (FLAT) {
-      __nv_bfloat16* o = out + static_cast<int64_t>(row0 + 2 * t4) * half + jn;
+      // A lane's two values of an n-tile are one column (jn) of two tokens; the output is token-major, so
+      // each would be its own 2-byte store. The warp's 8 columns x 8 tokens of the n-tile are one 8x8 bf16
+      // matrix in the mma fragment layout: movmatrix.trans hands lane (g, t4) token g's columns 2 t4 and
+      // 2 t4 + 1, one 4-byte store per n-tile instead of two 2-byte ones (the same values, rounded alike).
+      __nv_bfloat16* o = out + static_cast<int64_t>(row0 + g) * half + (mt * 8 + 2 * t4);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         if (nt % 4 == 0 && nt >= valid_nt) break;  // uniform; in fours, so that loads run ahead of use
+        float v[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float gate = acc[nt][h] * gs + bg;
           const float up = acc[nt][2 + h] * gs_up + bu;
-          const float v = EPI == kEpiSwiGLU ? swiglu_act(gate, up) : gptoss_swiglu_act(gate, up, p.alpha, p.limit);
-          if (nt * 8 + 2 * t4 + h < rows) o[static_cast<int64_t>(nt * 8 + h) * half] = __float2bfloat16_rn(v);
+          v[h] = EPI == kEpiSwiGLU ? swiglu_act(gate, up) : gptoss_swiglu_act(gate, up, p.alpha, p.limit);
         }
+        const __nv_bfloat162 pk = __floats2bfloat162_rn(v[0], v[1]);  // (column g; tokens 2 t4, 2 t4 + 1)
+        uint32_t tr;
+        asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(tr) : "r"(*reinterpret_cast<const uint32_t*>(&pk)));
+        if (live_mt && nt * 8 + g < rows) *reinterpret_cast<uint32_t*>(o + static_cast<int64_t>(nt * 8) * half) = tr;
       }
     } else {
 #pragma unroll
