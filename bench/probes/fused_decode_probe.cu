@@ -681,6 +681,7 @@ size_t smem_bytes(const Variant& v, int T, int64_t H) {
   return v.head + static_cast<size_t>(v.warps) * v.depth * kSlotBytes + (v.xs ? static_cast<size_t>(H) * tp * 2 : 0);
 }
 
+// "1,2,4,8" -> its fields (the token counts)
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> r;
   size_t a = 0;
@@ -772,7 +773,8 @@ int main(int argc, char** argv) {
     FP4MOE_CUDA_CHECK(cudaFuncSetAttribute(v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(prop.sharedMemPerBlockOptin)));
   }
-  for (const std::string& model : split_list(models)) {
+  // the library's own list rule: comma-separated preset names, or "all"; an unknown name throws naming it
+  for (const std::string& model : parse_preset_list(models)) {
     MoeConfig cfg = preset(model);
     if (cfg.format != WeightFormat::kNvfp4 || cfg.expert_bias || cfg.activation != Activation::kSwiGLU) {
       cfg.format = WeightFormat::kNvfp4;  // the shape as NVFP4 with plain SwiGLU (see the top)

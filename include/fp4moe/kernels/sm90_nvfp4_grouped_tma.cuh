@@ -189,10 +189,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   // kernels ran 4-6% slower at T = 2048 (bench/NOTES.md, twenty-first session). The others' code is the
   // same as without it, instruction for instruction (checked with cuobjdump -sass).
   constexpr bool kEarly = BT <= 32;
-  if constexpr (!kEarly) {
-    pdl_wait();
-    pdl_launch_dependents();
-  } else if (!p.weights_before_wait) {
+  if (!kEarly || !p.weights_before_wait) {
     pdl_wait();
     pdl_launch_dependents();
   }
@@ -385,11 +382,9 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     build_expert_prefix(p, E, lane, s_prefix, [&](int rows) { return ((rows + BT - 1) / BT) * ftiles; });
   }
   named_barrier_sync(1, 32 + WARPS * 32);  // the prefix is visible to the producer and every consumer
-  if constexpr (kEarly) {
-    if (p.weights_before_wait) {  // the prefix came from final offsets; the rest reads what the predecessor wrote
-      pdl_wait();
-      pdl_launch_dependents();
-    }
+  if (kEarly && p.weights_before_wait) {  // the prefix came from final offsets; the rest reads what the predecessor wrote
+    pdl_wait();
+    pdl_launch_dependents();
   }
   const int cw = warp - 4;
   float acc[C::WM][C::NT][4];
