@@ -167,6 +167,39 @@ struct StreamGeometry {
   __device__ static int slice_begin(int F, int w) { return F * w / WARPS; }
 };
 
+// Exclusive prefix of v over the CTA's threads in thread order (every thread calls it; it contains a CTA
+// barrier). scratch: 32 ints of shared memory that no other thread touches until the next barrier.
+template <int WARPS>
+__device__ __forceinline__ int block_exclusive_sum(int v, int* scratch, int& total) {
+  static_assert(WARPS <= 32, "one warp adds the warps' sums");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int incl = warp_inclusive_sum(v, lane);
+  if (lane == 31) scratch[warp] = incl;
+  __syncthreads();
+  int before = lane < warp ? scratch[lane] : 0;
+  int all = lane < WARPS ? scratch[lane] : 0;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    before += __shfl_xor_sync(0xffffffffu, before, o);
+    all += __shfl_xor_sync(0xffffffffu, all, o);
+  }
+  total = all;
+  return before + incl - v;
+}
+
+// Largest e with prefix[e] <= w (prefix non-decreasing, prefix[0] = 0 <= w), as find_expert, by the whole
+// warp (every lane, converged) in two ballots instead of a binary search's chain of dependent shared-
+// memory loads (~9 at 257 experts): each round's start needs it, the first one on the decode critical path.
+__device__ __forceinline__ int find_expert_warp(int w, const int32_t* prefix, int experts, int lane) {
+  const int step = (experts + 31) / 32;
+  const int idx = min(lane * step, experts - 1);  // non-decreasing in lane: the true lanes are a prefix
+  const unsigned m = __ballot_sync(0xffffffffu, prefix[idx] <= w);
+  const int base = __shfl_sync(0xffffffffu, idx, 31 - __clz(m));  // the answer is in [base, base + step)
+  const int j = base + lane;
+  const unsigned m2 = __ballot_sync(0xffffffffu, lane < step && j < experts && prefix[j] <= w);
+  return base + 31 - __clz(m2);
+}
+
 // The schedule in shared memory, built by the whole CTA (ends with a CTA barrier):
 // - rows: expert e's clamped first row for e = 0..E (so e's rows are [rows[e], max(rows[e + 1], rows[e]))
 //   as expert_rows() computes them from the offsets), the extra set's first and end row after them. From
@@ -175,60 +208,77 @@ struct StreamGeometry {
 //   This lets GEMM1 build its schedule and start its weight stream before griddepcontrol.wait, while the
 //   permutation kernel is still writing the offsets and the activation rows.
 // - prefix: segments (token tiles of BT rows) per expert, exclusive prefix, total at kMaxExperts + 1.
+// Each thread owns J consecutive entries and the two prefixes are CTA-wide sums: this is on the decode
+// critical path, where warp 0 walking all 513 entry slots alone took 2.7 us, now 1.2 (stamps in the layer,
+// bench/NOTES.md, twenty-fourth session).
 template <int BT, int WARPS>
 __device__ __forceinline__ void stream_build_schedule(const GroupedGemmParams& p, const StreamGeometry<BT, WARPS>& G) {
-  constexpr int kPer = (kMaxExperts + 1 + 31) / 32;  // entries 0..E of rows per lane, E <= kMaxExperts
-  const int tid = threadIdx.x, lane = tid & 31;
+  constexpr int kThreads = WARPS * 32;
+  constexpr int J = (kMaxExperts + 1 + kThreads - 1) / kThreads;  // rows 0..E and segments of E + 1 experts
+  const int tid = threadIdx.x;
   const int R = p.num_experts;
+  const int E = G.experts();
   int32_t* rows = G.rows();
+  int* scratch = reinterpret_cast<int*>(G.slots());  // the split sums' slots, unused until the first round ends
   const bool ids = p.route_ids != nullptr;
+  const bool xset = p.x_offsets != nullptr;
+  int a[J], b[J];  // entry e = tid * J + j: its rows [a, b) (e < R), a = rows[e] (e <= R)
   if (ids) {  // per-expert counts into rows[0..R)
-    for (int e = tid; e < R; e += WARPS * 32) rows[e] = 0;
+    for (int e = tid; e < R; e += kThreads) rows[e] = 0;
     __syncthreads();
-    for (int i = tid; i < p.route_n; i += WARPS * 32) {
+    for (int i = tid; i < p.route_n; i += kThreads) {
       const int e = __ldcg(p.route_ids + i);  // L2: the ids were written by an earlier kernel
       if (e >= 0 && e < R) atomicAdd(&rows[e], 1);  // counting only: the order cannot matter
     }
     __syncthreads();
-  }
-  if (tid < 32) {
-    const int per = (R + 1 + 31) / 32;
-    const int e0 = lane * per;
-    if (ids) {
-      int sum = 0;
+    int cnt[J], sum = 0;
 #pragma unroll
-      for (int i = 0; i < kPer; ++i)
-        if (i < per && e0 + i < R) sum += rows[e0 + i];
-      int run = warp_inclusive_sum(sum, lane) - sum;
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int e = e0 + i;
-        if (i < per && e <= R) {
-          const int c = e < R ? rows[e] : 0;
-          rows[e] = min(run, p.max_rows);
-          run += c;
-        }
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kPer; ++i) {
-        const int e = e0 + i;
-        if (i < per && e <= R) rows[e] = min(max(__ldg(p.offsets + e), 0), p.max_rows);
-      }
+    for (int j = 0; j < J; ++j) {
+      const int e = tid * J + j;
+      cnt[j] = e < R ? rows[e] : 0;
+      sum += cnt[j];
     }
-    if (lane == 0 && p.x_offsets != nullptr) {
-      int a = 0, b = p.x_max_rows;
-      if (!ids) expert_rows(p, R, a, b);
-      rows[kMaxExperts + 1] = a;
-      rows[kMaxExperts + 2] = b;
+    int total;
+    int run = block_exclusive_sum<WARPS>(sum, scratch, total);  // its barrier also ends the reads above
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      a[j] = min(run, p.max_rows);
+      run += cnt[j];
+      b[j] = min(run, p.max_rows);
     }
-    __syncwarp();
-    build_segment_prefix(G.experts(), lane, G.prefix(), [&](int e) {
-      int a, b;
-      G.rows_of(e, a, b);
-      return (b - a + BT - 1) / BT;
-    });
+  } else {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int e = tid * J + j;
+      a[j] = e <= R ? min(max(__ldg(p.offsets + e), 0), p.max_rows) : 0;
+      b[j] = e < R ? max(min(max(__ldg(p.offsets + e + 1), 0), p.max_rows), a[j]) : a[j];
+    }
   }
+  int segs[J], sum = 0;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = tid * J + j;
+    if (e <= R) rows[e] = a[j];
+    segs[j] = e < R ? (b[j] - a[j] + BT - 1) / BT : 0;
+    if (e == R && xset) {  // the extra set's rows
+      int xa = 0, xb = p.x_max_rows;
+      if (!ids) expert_rows(p, R, xa, xb);
+      rows[kMaxExperts + 1] = xa;
+      rows[kMaxExperts + 2] = xb;
+      segs[j] = (xb - xa + BT - 1) / BT;
+    }
+    sum += segs[j];
+  }
+  int total;
+  int run = block_exclusive_sum<WARPS>(sum, scratch + 32, total);
+  int32_t* prefix = G.prefix();
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int e = tid * J + j;
+    if (e < E) prefix[e] = run;
+    run += segs[j];
+  }
+  if (tid == 0) prefix[kMaxExperts + 1] = total;
   __syncthreads();
 }
 
@@ -247,7 +297,7 @@ __device__ __forceinline__ StreamCursor stream_cursor_next_body(const GroupedGem
     const int f0 = G.slice_begin(r.F, warp);
     c.left = G.slice_begin(r.F, warp + 1) - f0;
     if (c.left > 0) {
-      const int e = find_expert(r.seg, G.prefix(), G.experts());
+      const int e = find_expert_warp(r.seg, G.prefix(), G.experts(), lane);
       const bool xs = e >= p.num_experts;
       const int64_t chunk = static_cast<int64_t>(r.m0) * (p.k / 64) + f0;  // within the expert
       c.lc = (xs ? p.x_codes : p.codes + e * (static_cast<int64_t>(p.n) * p.k / 2)) + chunk * 512 + lane * 16;
@@ -385,7 +435,7 @@ __device__ __forceinline__ StreamPiece stream_advance_body(const GroupedGemmPara
     const int ru = ws.cru;
     if (ru >= ws.u1) return out;  // cleft = 0: done
     const StreamRound r = G.round_at(ru);
-    const int e = find_expert(r.seg, G.prefix(), G.experts());
+    const int e = find_expert_warp(r.seg, G.prefix(), G.experts(), lane);
     int a, b;
     G.rows_of(e, a, b);  // from shared memory: no L2 round trip before the rows' own loads
     const int row0 = a + (r.seg - G.prefix()[e]) * BT;
@@ -473,8 +523,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // CTA i of G owns units [stream_split(i), stream_split(i + 1)); U < 2^31 (the launcher checks).
   {
     const int segs = G.prefix()[kMaxExperts + 1];
-    const int u0 = stream_split(segs, p.n / 16, p.k / 64, p.round_cost, blockIdx.x, gridDim.x);
-    const int u1 = stream_split(segs, p.n / 16, p.k / 64, p.round_cost, blockIdx.x + 1, gridDim.x);
+    // Lanes 0 and 1 compute the two ends at once: one copy of the arithmetic on the critical path.
+    const int cut = stream_split(segs, p.n / 16, p.k / 64, p.round_cost, blockIdx.x + (lane & 1), gridDim.x);
+    const int u0 = __shfl_sync(0xffffffffu, cut, 0), u1 = __shfl_sync(0xffffffffu, cut, 1);
     if (u0 >= u1) {  // uniform over the CTA: no barrier follows
       // Exit only once the predecessor is done: this grid's completion (or trigger) then implies its
       // predecessor's, which the next kernel's early reads (GEMM2's offsets) rely on.
