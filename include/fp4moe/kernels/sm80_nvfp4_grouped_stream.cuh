@@ -71,7 +71,8 @@ struct StreamWarpState {
   int from_start;      // the current piece began at chunk 0 of m_cur: this warp owns m_cur
   int to_end;          // the current piece runs to the last chunk of m_cur
   int pending;         // an owned m-tile split across warps waits for the round's barrier
-  int in_round;        // a round is open (its barrier at the end is still due)
+  int in_round;        // 1: a round is open (its barrier at the end is still due); 2: the prologue opened
+                       // the first round and requested its rows (kStreamEarlyRows configs)
   int in_piece;        // a piece is open (cleft counted it down)
 };
 static_assert(sizeof(StreamWarpState) == kStreamWarpStateBytes, "the layout reserves kStreamWarpStateBytes per warp");
@@ -126,6 +127,16 @@ __device__ __forceinline__ unsigned long long trace_now(const GroupedGemmParams&
   return trace_on(p) ? global_timer_ns() : 0ull;
 }
 
+// Configs whose prologue opens the first round itself and requests its activation rows right after the
+// ring's first half: the first stream_advance call waits for every outstanding ring load (a CALL waits on
+// the ring's scoreboard), so rows requested inside it came only after the first weights had arrived, two
+// latencies in series (1-2 us at T = 1, bench/NOTES.md, twenty-fourth session). Chosen by the SASS check
+// (scripts/sass_waits.py --mix, cuobjdump -res-usage): the bt 8 / 20-warp configs (at their 96-register
+// cap) and the bt 16 plain ones got a stack frame and local loads in their hot loop with it, so they keep
+// the rows' request inside stream_advance.
+template <int BT, int WARPS>
+inline constexpr bool kStreamEarlyRows = BT == 8 && WARPS != 20;
+
 template <int BT, int WARPS>
 struct StreamGeometry {
   const GroupedGemmParams& p;
@@ -154,12 +165,13 @@ struct StreamGeometry {
   }
   __device__ int experts() const { return p.num_experts + (p.x_offsets != nullptr ? 1 : 0); }
   // A round: the CTA's units from ru to the end of ru's segment (or of the CTA's range); F chunks.
-  __device__ StreamRound round_at(int ru) const {
+  __device__ StreamRound round_at(int ru) const { return round_at(ru, ws().u1); }
+  __device__ StreamRound round_at(int ru, int u1) const {
     const int MT = p.n / 16;
     StreamRound r;
     r.seg = ru / MT;
     r.m0 = ru - r.seg * MT;
-    r.end = min(ws().u1, (r.seg + 1) * MT);
+    r.end = min(u1, (r.seg + 1) * MT);
     r.F = (r.end - ru) * (p.k / 64);
     return r;
   }
@@ -282,6 +294,57 @@ __device__ __forceinline__ void stream_build_schedule(const GroupedGemmParams& p
   __syncthreads();
 }
 
+// This warp's slice of round r (expert e) as a load cursor; left = 0: no chunks for it there.
+template <int BT, int WARPS>
+__device__ __forceinline__ StreamCursor stream_cursor_in(const GroupedGemmParams& p, const StreamRound& r, int e,
+                                                         int warp, int lane) {
+  StreamCursor c{nullptr, nullptr, 0, 0};
+  const int f0 = StreamGeometry<BT, WARPS>::slice_begin(r.F, warp);
+  c.left = StreamGeometry<BT, WARPS>::slice_begin(r.F, warp + 1) - f0;
+  if (c.left > 0) {
+    const bool xs = e >= p.num_experts;
+    const int64_t chunk = static_cast<int64_t>(r.m0) * (p.k / 64) + f0;  // within the expert
+    c.lc = (xs ? p.x_codes : p.codes + e * (static_cast<int64_t>(p.n) * p.k / 2)) + chunk * 512 + lane * 16;
+    c.ls = (xs ? p.x_scales : p.scales + e * (static_cast<int64_t>(p.n) * p.k / 16)) + chunk * 64 + (lane >> 2) * 8;
+  }
+  return c;
+}
+
+// Opens round r (expert e) for this warp: its rows and slice into the warp state (in_round = 2: open, rows
+// requested) and the round's activation rows requested into shared memory (cp.async, committed, not
+// waited for: stream_advance waits for them, then for the round's barrier). Every warp opens every round.
+template <int BT, int WARPS>
+__device__ __forceinline__ void stream_open_round(const GroupedGemmParams& p, const StreamGeometry<BT, WARPS>& G,
+                                                  const StreamRound& r, int e) {
+  StreamWarpState& ws = G.ws();
+  const int tid = threadIdx.x, lane = tid & 31;
+  int a, b;
+  G.rows_of(e, a, b);
+  const int row0 = a + (r.seg - G.prefix()[e]) * BT;
+  const int rows = min(BT, b - row0);
+  const bool xs = e >= p.num_experts;
+  __syncwarp();
+  if (lane == 0) {
+    ws.cru = r.end;
+    ws.seg_e = e;
+    ws.seg_row0 = row0;
+    ws.seg_rows = rows;
+    ws.seg_x = xs;
+    ws.m0 = r.m0;
+    ws.F = r.F;
+    ws.in_round = 2;
+  }
+  __syncwarp();
+  const uint32_t row_bytes = static_cast<uint32_t>(p.k) * 2;
+  const __nv_bfloat16* src = (xs ? p.x_act : p.act) + static_cast<int64_t>(row0) * p.k;
+  const int pieces = p.k / 8;
+  const uint32_t dst = smem_u32(G.smem);
+  for (int rr = 0; rr < rows; ++rr)
+    for (int c = tid; c < pieces; c += WARPS * 32)
+      cp_async16(dst + rr * row_bytes + (((c & ~7) | ((c ^ rr) & 7)) << 4), src + static_cast<int64_t>(rr) * p.k + c * 8);
+  cp_async_commit();
+}
+
 // The load cursor enters its next round that has chunks for this warp (cold: once per round).
 template <int BT, int WARPS>
 __device__ __forceinline__ StreamCursor stream_cursor_next_body(const GroupedGemmParams& p, uint8_t* smem) {
@@ -378,6 +441,7 @@ __device__ __forceinline__ StreamPiece stream_advance_body(const GroupedGemmPara
     });
   };
 
+  constexpr bool kEarly = kStreamEarlyRows<BT, WARPS>;
   for (;;) {
     if (ws.in_piece) {  // the piece that just ran out
       put([&] { ws.in_piece = 0; });
@@ -396,7 +460,7 @@ __device__ __forceinline__ StreamPiece stream_advance_body(const GroupedGemmPara
         zero();
       }
     }
-    if (ws.in_round) {
+    if (kEarly ? ws.in_round == 1 : ws.in_round != 0) {
       // ---- end of round: split m-tiles meet. The warp holding an m-tile's chunk 0 adds the later warps'
       // pieces in warp order (a fixed order: bit-identical results run to run) and stores it.
       // Warps reach this barrier along different paths (a warp with no chunks in a round loops here
@@ -432,49 +496,73 @@ __device__ __forceinline__ StreamPiece stream_advance_body(const GroupedGemmPara
       put([&] { ws.in_round = 0; });
     }
     // ---- next round ----
-    const int ru = ws.cru;
-    if (ru >= ws.u1) return out;  // cleft = 0: done
-    const StreamRound r = G.round_at(ru);
-    const int e = find_expert_warp(r.seg, G.prefix(), G.experts(), lane);
-    int a, b;
-    G.rows_of(e, a, b);  // from shared memory: no L2 round trip before the rows' own loads
-    const int row0 = a + (r.seg - G.prefix()[e]) * BT;
-    const int rows = min(BT, b - row0);
-    const bool xs = e >= p.num_experts;
-    put([&] {
-      ws.cru = r.end;
-      ws.seg_e = e;
-      ws.seg_row0 = row0;
-      ws.seg_rows = rows;
-      ws.seg_x = xs;
-      ws.m0 = r.m0;
-      ws.F = r.F;
-      ws.in_round = 1;
-    });
-    // Activation rows -> shared memory. Rows past `rows` are not loaded: they only feed accumulator
-    // columns that are never stored.
-    const unsigned long long t_rows = trace_now(p);
-    {
-      const __nv_bfloat16* src = (xs ? p.x_act : p.act) + static_cast<int64_t>(row0) * p.k;
-      const int pieces = p.k / 8;
-      const uint32_t dst = smem_u32(smem);
-      for (int rr = 0; rr < rows; ++rr)
-        for (int c = tid; c < pieces; c += WARPS * 32)
-          cp_async16(dst + rr * row_bytes + (((c & ~7) | ((c ^ rr) & 7)) << 4),
-                     src + static_cast<int64_t>(rr) * p.k + c * 8);
-      cp_async_commit();
+    if constexpr (kEarly) {
+      if (!ws.in_round) {  // (2: the kernel's prologue opened the first round)
+        const int ru = ws.cru;
+        if (ru >= ws.u1) return out;  // cleft = 0: done
+        const StreamRound r = G.round_at(ru);
+        stream_open_round<BT, WARPS>(p, G, r, find_expert_warp(r.seg, G.prefix(), G.experts(), lane));
+      }
+      const unsigned long long t_rows = trace_now(p);
       cp_async_wait<0>();
-    }
-    __syncwarp();
-    __barrier_sync(0);  // the rows are in (non-aligned, as the round's end barrier above)
-    if (trace_on(p)) {
-      trace_add(p, kTraceRowsInNs, global_timer_ns() - t_rows);
-      trace_add(p, kTraceRounds, 1);
-    }
-    const int f0 = G.slice_begin(r.F, warp), f1 = G.slice_begin(r.F, warp + 1);
-    if (f1 > f0) {
-      start_piece(r.m0 + f0 / Kc, f0 % Kc, f1 - f0);
-      return out;
+      __syncwarp();
+      __barrier_sync(0);  // the rows are in (non-aligned, as the round's end barrier above)
+      if (trace_on(p)) {
+        trace_add(p, kTraceRowsInNs, global_timer_ns() - t_rows);
+        trace_add(p, kTraceRounds, 1);
+      }
+      put([&] { ws.in_round = 1; });
+      const int F = ws.F;
+      const int f0 = G.slice_begin(F, warp), f1 = G.slice_begin(F, warp + 1);
+      if (f1 > f0) {
+        start_piece(ws.m0 + f0 / Kc, f0 % Kc, f1 - f0);
+        return out;
+      }
+    } else {
+      const int ru = ws.cru;
+      if (ru >= ws.u1) return out;  // cleft = 0: done
+      const StreamRound r = G.round_at(ru);
+      const int e = find_expert_warp(r.seg, G.prefix(), G.experts(), lane);
+      int a, b;
+      G.rows_of(e, a, b);  // from shared memory: no L2 round trip before the rows' own loads
+      const int row0 = a + (r.seg - G.prefix()[e]) * BT;
+      const int rows = min(BT, b - row0);
+      const bool xs = e >= p.num_experts;
+      put([&] {
+        ws.cru = r.end;
+        ws.seg_e = e;
+        ws.seg_row0 = row0;
+        ws.seg_rows = rows;
+        ws.seg_x = xs;
+        ws.m0 = r.m0;
+        ws.F = r.F;
+        ws.in_round = 1;
+      });
+      // Activation rows -> shared memory. Rows past `rows` are not loaded: they only feed accumulator
+      // columns that are never stored.
+      const unsigned long long t_rows = trace_now(p);
+      {
+        const __nv_bfloat16* src = (xs ? p.x_act : p.act) + static_cast<int64_t>(row0) * p.k;
+        const int pieces = p.k / 8;
+        const uint32_t dst = smem_u32(smem);
+        for (int rr = 0; rr < rows; ++rr)
+          for (int c = tid; c < pieces; c += WARPS * 32)
+            cp_async16(dst + rr * row_bytes + (((c & ~7) | ((c ^ rr) & 7)) << 4),
+                       src + static_cast<int64_t>(rr) * p.k + c * 8);
+        cp_async_commit();
+        cp_async_wait<0>();
+      }
+      __syncwarp();
+      __barrier_sync(0);  // the rows are in (non-aligned, as the round's end barrier above)
+      if (trace_on(p)) {
+        trace_add(p, kTraceRowsInNs, global_timer_ns() - t_rows);
+        trace_add(p, kTraceRounds, 1);
+      }
+      const int f0 = G.slice_begin(r.F, warp), f1 = G.slice_begin(r.F, warp + 1);
+      if (f1 > f0) {
+        start_piece(r.m0 + f0 / Kc, f0 % Kc, f1 - f0);
+        return out;
+      }
     }
     // no chunks for this warp in this round: straight to its end
   }
@@ -521,6 +609,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   stream_build_schedule<BT, WARPS>(p, G);
   trace_event(p, kTraceScheduled);
   // CTA i of G owns units [stream_split(i), stream_split(i + 1)); U < 2^31 (the launcher checks).
+  StreamRound r0{};
+  int e0 = 0;
+  StreamCursor cur{nullptr, nullptr, 0, 0};
   {
     const int segs = G.prefix()[kMaxExperts + 1];
     // Lanes 0 and 1 compute the two ends at once: one copy of the arithmetic on the critical path.
@@ -539,6 +630,13 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
       ws.pending = ws.in_round = ws.in_piece = 0;
     }
     __syncwarp();
+    if constexpr (kStreamEarlyRows<BT, WARPS>) {
+      r0 = G.round_at(u0, u1);
+      e0 = find_expert_warp(r0.seg, G.prefix(), G.experts(), lane);
+      if (lane == 0) ws.lru = r0.end;
+      __syncwarp();
+      cur = stream_cursor_in<BT, WARPS>(p, r0, e0, threadIdx.x >> 5, lane);
+    }
   }
 
   // ---- the weight ring: two halves of DEPTH / 2 chunks ----
@@ -550,7 +648,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
   // the wait at each half's start then finds loads DEPTH / 2 chunks old. `dep` (always 0: K is a multiple
   // of 64) makes the addresses depend on the half's first scale word, so ptxas cannot hoist the loads
   // above the wait, which would make the wait cover them too.
-  StreamCursor cur = stream_cursor_next<BT, WARPS>(p, smem);
+  if (!kStreamEarlyRows<BT, WARPS> || cur.left == 0) cur = stream_cursor_next<BT, WARPS>(p, smem);
   uint4 ring_c[DEPTH];
   uint2 ring_s[DEPTH];
   uint32_t dep = 0;
@@ -576,6 +674,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS)
     pdl_launch_dependents();
     trace_event(p, kTraceWaited);
   }
+  if constexpr (kStreamEarlyRows<BT, WARPS>) stream_open_round<BT, WARPS>(p, G, r0, e0);
 
   // ---- math ----
   float acc[NT][4];
