@@ -294,7 +294,9 @@ __device__ __forceinline__ void stream_build_schedule(const GroupedGemmParams& p
   __syncthreads();
 }
 
-// This warp's slice of round r (expert e) as a load cursor; left = 0: no chunks for it there.
+// This warp's slice of round r (expert e) as a load cursor; left = 0: no chunks for it there. For the
+// kStreamEarlyRows prologue. stream_cursor_next_body does the same arithmetic inline: calling this there
+// moved call-site registers in every config's hot loop (scripts/sass_waits.py --mix), so it stays apart.
 template <int BT, int WARPS>
 __device__ __forceinline__ StreamCursor stream_cursor_in(const GroupedGemmParams& p, const StreamRound& r, int e,
                                                          int warp, int lane) {
@@ -313,6 +315,8 @@ __device__ __forceinline__ StreamCursor stream_cursor_in(const GroupedGemmParams
 // Opens round r (expert e) for this warp: its rows and slice into the warp state (in_round = 2: open, rows
 // requested) and the round's activation rows requested into shared memory (cp.async, committed, not
 // waited for: stream_advance waits for them, then for the round's barrier). Every warp opens every round.
+// kStreamEarlyRows configs only; the others keep their inline copy of this in stream_advance, whose
+// SASS this must not move.
 template <int BT, int WARPS>
 __device__ __forceinline__ void stream_open_round(const GroupedGemmParams& p, const StreamGeometry<BT, WARPS>& G,
                                                   const StreamRound& r, int e) {
