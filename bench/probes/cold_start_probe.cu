@@ -23,15 +23,7 @@
 
 #include <cuda_runtime.h>
 
-#define PROBE_CHECK(x)                                                                              \
-  do {                                                                                              \
-    cudaError_t e_ = (x);                                                                           \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
-                   cudaGetErrorString(e_));                                                         \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
+#include "probe_check.hpp"
 
 namespace {
 

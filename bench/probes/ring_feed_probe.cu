@@ -28,16 +28,7 @@
 #include <cuda_runtime.h>
 
 #include "fp4moe/kernels/sm80_nvfp4_grouped_stream.cuh"  // the kernel's own streaming loads and smem_u32
-
-#define PROBE_CHECK(x)                                                                              \
-  do {                                                                                              \
-    cudaError_t e_ = (x);                                                                           \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, \
-                   cudaGetErrorString(e_));                                                         \
-      std::exit(1);                                                                                 \
-    }                                                                                               \
-  } while (0)
+#include "probe_check.hpp"
 
 namespace {
 
