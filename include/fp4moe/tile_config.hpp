@@ -84,7 +84,8 @@ enum StreamTraceSlot : int {
   kTraceFirstPiece = 4,   // the first piece is open (its activation rows are in shared memory)
   kTraceExit = 5,         // the math loop is done
   kTraceRoundEndNs = 6,   // waiting at the round-end barriers
-  kTraceRowsInNs = 7,     // loading a round's activation rows (cp.async, its wait and the barrier)
+  kTraceRowsInNs = 7,     // a round's activation rows: cp.async, its wait and the barrier (only the wait and the
+                          // barrier for a first round the prologue opened, kStreamEarlyRows configs)
   kTraceAdvanceCalls = 8,
   kTraceCursorCalls = 9,
   kTraceChunks = 10,      // K chunks of this warp's pieces
