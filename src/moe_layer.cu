@@ -164,10 +164,17 @@ void launch_routing(const kernels::RoutingParams& p, cudaStream_t stream) {
   FP4MOE_CUDA_CHECK_LAUNCH();
 }
 
+template <int kPerLane>
+void launch_routing_cta(const kernels::RoutingParams& p, cudaStream_t stream) {
+  kernels::routing_topk_cta_kernel<kPerLane>
+      <<<static_cast<unsigned>(p.tokens), kernels::kRoutingCtaWarps * 32, 0, stream>>>(p);
+  FP4MOE_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace
 
 void moe_route(const MoeConfig& cfg, const float* logits, const float* router_bias, int64_t tokens,
-               int32_t* topk_ids, float* topk_weights, cudaStream_t stream) {
+               int32_t* topk_ids, float* topk_weights, cudaStream_t stream, RoutingPath path) {
   validate_moe_layer_config(cfg);
   FP4MOE_REQUIRE(tokens >= 1, "moe_route: tokens = {} must be >= 1", tokens);
   FP4MOE_REQUIRE(logits != nullptr && topk_ids != nullptr && topk_weights != nullptr,
@@ -191,6 +198,26 @@ void moe_route(const MoeConfig& cfg, const float* logits, const float* router_bi
   rp.routed_scaling = cfg.routed_scaling;
   rp.kind = cfg.router;
   const int E = cfg.num_experts;
+  // The CTA kernel's merge holds one candidate per lane (kRoutingCtaWarps x k <= 32), and its warps do
+  // not share the group scores of grouped selection.
+  const bool cta_applies = rp.n_group == 1 && kernels::kRoutingCtaWarps * rp.top_k <= 32;
+  FP4MOE_REQUIRE(path != RoutingPath::kCtaPerToken || cta_applies,
+                 "moe_route: path = kCtaPerToken needs n_group = 1 and top_k <= {} (config '{}': n_group = {}, "
+                 "top_k = {})",
+                 32 / kernels::kRoutingCtaWarps, cfg.name, rp.n_group, rp.top_k);
+  // Automatic only where the warp kernel holds 8 or more experts per lane: at 128 experts the CTA kernel
+  // measured level (gpt-oss-120b) to 0.3 us slower (qwen3-30b's softmax, two barriers and the merge),
+  // at 256 / 384 it took 2.9 / 3.1 us instead of 3.6 / 5.4 (H100, bench/NOTES.md, twenty-fifth session).
+  const bool cta = path == RoutingPath::kCtaPerToken ||
+                   (path == RoutingPath::kAuto && cta_applies && tokens <= kRoutingCtaMaxTokens &&
+                    cfg.num_experts > kRoutingCtaMinExperts);
+  if (cta) {
+    constexpr int kSpan = 32 * kernels::kRoutingCtaWarps;  // experts per lane-slot across the warps
+    if (E <= kSpan) launch_routing_cta<1>(rp, stream);
+    else if (E <= 2 * kSpan) launch_routing_cta<2>(rp, stream);
+    else launch_routing_cta<4>(rp, stream);  // E <= kMaxExperts = 4 x kSpan
+    return;
+  }
   if (E <= 32) launch_routing<1>(rp, stream);
   else if (E <= 64) launch_routing<2>(rp, stream);
   else if (E <= 128) launch_routing<4>(rp, stream);
@@ -249,14 +276,18 @@ void permute_gather(int num_experts, int top_k, int64_t tokens, const int32_t* t
     const auto blocks = static_cast<unsigned>((tokens + tpb - 1) / tpb);
     const int64_t h8 = gather ? hidden_size / 8 : 0;
     if (gather) {
-      detail::launch(kernels::moe_permute_small_kernel<true>, dim3(blocks), dim3(kernels::kSmallPermuteThreads), 0,
-                     stream, pdl, topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb,
-                     expert_offsets, row_of, row_scale, shared_offsets, static_cast<const uint4*>(hidden), h8,
-                     static_cast<uint4*>(sorted), hidden_before_wait ? 1 : 0);
+      // slices from the columns per slice, so that none is empty
+      const int cols = kernels::small_permute_slice_cols(kernels::small_permute_slices(tpb, top_k, h8), h8);
+      const auto slices = static_cast<unsigned>((h8 + cols - 1) / cols);
+      detail::launch(kernels::moe_permute_small_kernel<true>, dim3(blocks, slices),
+                     dim3(kernels::kSmallPermuteThreads), 0, stream, pdl, topk_ids, topk_weights,
+                     static_cast<int>(tokens), top_k, num_experts, tpb, expert_offsets, row_of, row_scale,
+                     shared_offsets, static_cast<const uint4*>(hidden), h8, static_cast<uint4*>(sorted),
+                     hidden_before_wait ? 1 : 0, cols);
     } else {
       detail::launch(kernels::moe_permute_small_kernel<false>, dim3(blocks), dim3(kernels::kSmallPermuteThreads), 0,
                      stream, pdl, topk_ids, topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb,
-                     expert_offsets, row_of, row_scale, shared_offsets, nullptr, int64_t{0}, nullptr, 0);
+                     expert_offsets, row_of, row_scale, shared_offsets, nullptr, int64_t{0}, nullptr, 0, 0);
     }
     return;
   }

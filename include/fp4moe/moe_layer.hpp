@@ -140,8 +140,18 @@ int64_t moe_permute_chunks(int64_t n);  // ceil(n / kMoePermuteChunk)
 // All pointers are device memory; nothing synchronizes or allocates.
 // Routing: logits fp32 [T, E], router_bias [E] or null -> topk_ids int32 [T, k], topk_weights fp32 [T, k]
 // (slots in descending selection score, ties -> lower expert index; route_reference's arithmetic).
+// Which routing kernel runs. kAuto: kCtaPerToken for tokens <= kRoutingCtaMaxTokens (64) with more than
+// kRoutingCtaMinExperts (128) experts where it applies (n_group == 1, top_k <= 8), else kWarpPerToken.
+// Both give bit-identical outputs; forcing one is for tests (kCtaPerToken where it does not apply is
+// refused).
+//   kWarpPerToken: one warp per token (kernels/routing_topk.cuh, routing_topk_kernel);
+//   kCtaPerToken:  four warps per token, each over a quarter of the experts, then a merge of their
+//                  top k: a quarter of the dependency chain, for decode (routing_topk_cta_kernel).
+enum class RoutingPath { kAuto, kWarpPerToken, kCtaPerToken };
+inline constexpr int64_t kRoutingCtaMaxTokens = 64;
+inline constexpr int kRoutingCtaMinExperts = 128;
 void moe_route(const MoeConfig& cfg, const float* logits, const float* router_bias, int64_t tokens,
-               int32_t* topk_ids, float* topk_weights, cudaStream_t stream);
+               int32_t* topk_ids, float* topk_weights, cudaStream_t stream, RoutingPath path = RoutingPath::kAuto);
 // Permutation: expert_offsets [E + 1], row_of [T, k] (row of (t, s) in expert-sorted order, stable:
 // within an expert by token then slot), row_scale [T * k] (topk_weights in row order). chunk_counts:
 // scratch of moe_permute_chunks(T * k) * E int32. shared_offsets: null or [2], set to {0, T}.

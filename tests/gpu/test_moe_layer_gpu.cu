@@ -326,6 +326,56 @@ TEST(MoeRoutingGpu, TiesGoToTheLowerExpertIndex) {
   }
 }
 
+// The CTA-per-token kernel (decode) against the warp-per-token one: the same ids in the same slots and
+// the same weights bit for bit, on random logits and on logits with many exact ties, at token counts on
+// both sides of the automatic switch; the automatic path too. Configs it does not apply to (grouped
+// selection, k > 8) are refused when forced.
+TEST(MoeRoutingGpu, CtaPerTokenEqualsWarpPerToken) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Stream st;
+  int covered = 0;
+  for (const MoeConfig& cfg : routing_configs()) {
+    SCOPED_TRACE(cfg.name);
+    const bool applies = (cfg.router != RouterKind::kSigmoidGrouped || cfg.n_group == 1) && cfg.top_k <= 8;
+    const int k = cfg.top_k;
+    if (!applies) {
+      const int64_t T = 1;
+      OwnedDeviceBuffer dl(T * cfg.num_experts * 4), ids(T * k * 4), w(T * k * 4);
+      EXPECT_THROW(moe_route(cfg, dl.as<float>(), nullptr, T, ids.as<int32_t>(), w.as<float>(), st.s,
+                             RoutingPath::kCtaPerToken),
+                   std::exception);
+      continue;
+    }
+    ++covered;
+    for (int64_t T : {int64_t{1}, int64_t{3}, kRoutingCtaMaxTokens, kRoutingCtaMaxTokens + 5}) {
+      for (int ties = 0; ties < 2; ++ties) {
+        SCOPED_TRACE(testing::Message() << "T=" << T << " ties=" << ties);
+        const std::vector<float> logits =
+            ties ? logits_with_ties(cfg, 21 + T, T) : make_synthetic_router_logits(cfg, 31 + T, T);
+        const std::vector<float> bias = make_synthetic_router_bias(cfg, 7);
+        OwnedDeviceBuffer dl = upload(logits), db = upload(bias);
+        auto run = [&](RoutingPath path) {
+          OwnedDeviceBuffer ids(T * k * 4), w(T * k * 4);
+          FP4MOE_CUDA_CHECK(cudaMemsetAsync(ids.get(), 0xff, ids.bytes(), st.s));
+          FP4MOE_CUDA_CHECK(cudaMemsetAsync(w.get(), 0xff, w.bytes(), st.s));
+          moe_route(cfg, dl.as<float>(), bias.empty() ? nullptr : db.as<float>(), T, ids.as<int32_t>(), w.as<float>(),
+                    st.s, path);
+          FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
+          return std::make_pair(download<int32_t>(ids.get(), T * k), download<float>(w.get(), T * k));
+        };
+        const auto warp = run(RoutingPath::kWarpPerToken), cta = run(RoutingPath::kCtaPerToken),
+                   automatic = run(RoutingPath::kAuto);
+        ASSERT_EQ(cta.first, warp.first);
+        ASSERT_EQ(0, std::memcmp(cta.second.data(), warp.second.data(), warp.second.size() * 4));
+        ASSERT_EQ(automatic.first, warp.first);
+        ASSERT_EQ(0, std::memcmp(automatic.second.data(), warp.second.data(), warp.second.size() * 4));
+        if (ties == 0) expect_routing_matches(cfg, logits, bias, T, cta.first, cta.second);
+      }
+    }
+  }
+  EXPECT_GE(covered, 8);  // every preset but deepseek-v3 (grouped) and the k = 16 softmax
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Permutation, gather, combine
 // ---------------------------------------------------------------------------------------------------

@@ -70,6 +70,68 @@ PermuteOut run_permute(PermutePath path, int E, int k, int64_t T, int64_t H, con
   return o;
 }
 
+// One-launch permutation (and its gather) against the chunked path and a host counting sort, bit for
+// bit: offsets, rows, row scales, the shared expert's offsets and every gathered row.
+void check_small_equals_chunked(int E, int k, int64_t T, int64_t H, int skew, std::mt19937_64& rng,
+                                cudaStream_t stream) {
+  SCOPED_TRACE(testing::Message() << "E=" << E << " k=" << k << " T=" << T << " H=" << H << " skew=" << skew);
+  std::vector<int32_t> ids(T * k);
+  std::vector<float> w(T * k);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int> perm(E);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int s = 0; s < k; ++s) {
+      ids[t * k + s] = skew ? (s + static_cast<int>(t)) % k : perm[s];  // skew: k experts own everything
+      w[t * k + s] = std::uniform_real_distribution<float>(0.f, 1.f)(rng);
+    }
+  }
+  std::vector<uint16_t> hidden(T * H);
+  for (auto& v : hidden) v = static_cast<uint16_t>(rng());
+  // Host: stable counting sort.
+  std::vector<int32_t> off(E + 1, 0), row_of(T * k);
+  std::vector<float> row_scale(T * k);
+  for (int32_t e : ids) ++off[e + 1];
+  for (int e = 0; e < E; ++e) off[e + 1] += off[e];
+  std::vector<int32_t> next(off.begin(), off.end() - 1);
+  for (int64_t i = 0; i < T * k; ++i) {
+    row_of[i] = next[ids[i]]++;
+    row_scale[row_of[i]] = w[i];
+  }
+  OwnedDeviceBuffer d_ids = upload(ids), d_w = upload(w), d_h = upload(hidden);
+  const PermuteOut chunked = run_permute(PermutePath::kChunked, E, k, T, H, d_ids, d_w, d_h, stream);
+  const PermuteOut automatic = run_permute(PermutePath::kAuto, E, k, T, H, d_ids, d_w, d_h, stream);
+  ASSERT_EQ(chunked.offsets, off);
+  ASSERT_EQ(chunked.row_of, row_of);
+  ASSERT_EQ(chunked.row_scale, row_scale);
+  ASSERT_EQ(chunked.shared, (std::vector<int32_t>{0, static_cast<int32_t>(T)}));
+  for (int64_t i = 0; i < T * k; ++i)
+    ASSERT_EQ(0, std::memcmp(&chunked.sorted[row_of[i] * H], &hidden[(i / k) * H], H * 2)) << "entry " << i;
+  auto same = [&](const PermuteOut& o) {
+    ASSERT_EQ(o.offsets, chunked.offsets);
+    ASSERT_EQ(o.row_of, chunked.row_of);
+    ASSERT_EQ(o.row_scale, chunked.row_scale);
+    ASSERT_EQ(o.shared, chunked.shared);
+    ASSERT_EQ(o.sorted, chunked.sorted);
+  };
+  same(automatic);
+  if (T * k <= kSwitch) {
+    const PermuteOut small = run_permute(PermutePath::kSmall, E, k, T, H, d_ids, d_w, d_h, stream);
+    same(small);
+    // permute only (no gather), as moe_permute runs it
+    OwnedDeviceBuffer cc(moe_permute_chunks(T * k) * E * 4), d_off((E + 1) * 4), d_row(T * k * 4),
+        d_rs(T * k * 4);
+    moe_permute(E, k, T, d_ids.as<int32_t>(), d_w.as<float>(), cc.as<int32_t>(), d_off.as<int32_t>(),
+                d_row.as<int32_t>(), d_rs.as<float>(), nullptr, stream);
+    FP4MOE_CUDA_CHECK(cudaStreamSynchronize(stream));
+    ASSERT_EQ(download<int32_t>(d_off.get(), E + 1), off);
+    ASSERT_EQ(download<int32_t>(d_row.get(), T * k), row_of);
+    ASSERT_EQ(download<float>(d_rs.get(), T * k), row_scale);
+  } else {
+    EXPECT_THROW(run_permute(PermutePath::kSmall, E, k, T, H, d_ids, d_w, d_h, stream), Error);
+  }
+}
+
 TEST(MoeSmallPathsGpu, OneLaunchPermutationEqualsChunkedPath) {
   FP4MOE_SKIP_WITHOUT_GPU();
   Stream st;
@@ -84,70 +146,31 @@ TEST(MoeSmallPathsGpu, OneLaunchPermutationEqualsChunkedPath) {
                                    {40, 3, {1, 300, 1365, 1366, 1367}},
                                    {8, 1, {1, 257, 1000, 4095, 4096, 4097}},
                                    {128, 4, {3, 1024, 1025}}};
-  for (const Case& c : cases) {
-    for (int64_t T : c.tokens) {
-      for (int skew = 0; skew < 2; ++skew) {
-        SCOPED_TRACE(testing::Message() << "E=" << c.E << " k=" << c.k << " T=" << T << " skew=" << skew);
-        const int E = c.E, k = c.k;
-        const int64_t H = 24 * 8;  // 24 16-byte columns
-        std::vector<int32_t> ids(T * k);
-        std::vector<float> w(T * k);
-        for (int64_t t = 0; t < T; ++t) {
-          std::vector<int> perm(E);
-          std::iota(perm.begin(), perm.end(), 0);
-          std::shuffle(perm.begin(), perm.end(), rng);
-          for (int s = 0; s < k; ++s) {
-            ids[t * k + s] = skew ? (s + static_cast<int>(t)) % k : perm[s];  // skew: k experts own everything
-            w[t * k + s] = std::uniform_real_distribution<float>(0.f, 1.f)(rng);
-          }
-        }
-        std::vector<uint16_t> hidden(T * H);
-        for (auto& v : hidden) v = static_cast<uint16_t>(rng());
-        // Host: stable counting sort.
-        std::vector<int32_t> off(E + 1, 0), row_of(T * k);
-        std::vector<float> row_scale(T * k);
-        for (int32_t e : ids) ++off[e + 1];
-        for (int e = 0; e < E; ++e) off[e + 1] += off[e];
-        std::vector<int32_t> next(off.begin(), off.end() - 1);
-        for (int64_t i = 0; i < T * k; ++i) {
-          row_of[i] = next[ids[i]]++;
-          row_scale[row_of[i]] = w[i];
-        }
-        OwnedDeviceBuffer d_ids = upload(ids), d_w = upload(w), d_h = upload(hidden);
-        const PermuteOut chunked = run_permute(PermutePath::kChunked, E, k, T, H, d_ids, d_w, d_h, st.s);
-        const PermuteOut automatic = run_permute(PermutePath::kAuto, E, k, T, H, d_ids, d_w, d_h, st.s);
-        ASSERT_EQ(chunked.offsets, off);
-        ASSERT_EQ(chunked.row_of, row_of);
-        ASSERT_EQ(chunked.row_scale, row_scale);
-        ASSERT_EQ(chunked.shared, (std::vector<int32_t>{0, static_cast<int32_t>(T)}));
-        for (int64_t i = 0; i < T * k; ++i)
-          ASSERT_EQ(0, std::memcmp(&chunked.sorted[row_of[i] * H], &hidden[(i / k) * H], H * 2)) << "entry " << i;
-        auto same = [&](const PermuteOut& o) {
-          ASSERT_EQ(o.offsets, chunked.offsets);
-          ASSERT_EQ(o.row_of, chunked.row_of);
-          ASSERT_EQ(o.row_scale, chunked.row_scale);
-          ASSERT_EQ(o.shared, chunked.shared);
-          ASSERT_EQ(o.sorted, chunked.sorted);
-        };
-        same(automatic);
-        if (T * k <= kSwitch) {
-          const PermuteOut small = run_permute(PermutePath::kSmall, E, k, T, H, d_ids, d_w, d_h, st.s);
-          same(small);
-          // permute only (no gather), as moe_permute runs it
-          OwnedDeviceBuffer cc(moe_permute_chunks(T * k) * E * 4), d_off((E + 1) * 4), d_row(T * k * 4),
-              d_rs(T * k * 4);
-          moe_permute(E, k, T, d_ids.as<int32_t>(), d_w.as<float>(), cc.as<int32_t>(), d_off.as<int32_t>(),
-                      d_row.as<int32_t>(), d_rs.as<float>(), nullptr, st.s);
-          FP4MOE_CUDA_CHECK(cudaStreamSynchronize(st.s));
-          ASSERT_EQ(download<int32_t>(d_off.get(), E + 1), off);
-          ASSERT_EQ(download<int32_t>(d_row.get(), T * k), row_of);
-          ASSERT_EQ(download<float>(d_rs.get(), T * k), row_scale);
-        } else {
-          EXPECT_THROW(run_permute(PermutePath::kSmall, E, k, T, H, d_ids, d_w, d_h, st.s), Error);
-        }
-      }
-    }
-  }
+  for (const Case& c : cases)
+    for (int64_t T : c.tokens)
+      for (int skew = 0; skew < 2; ++skew)
+        ASSERT_NO_FATAL_FAILURE(check_small_equals_chunked(c.E, c.k, T, 24 * 8, skew, rng, st.s));  // 24 columns
+}
+
+// Wide rows: the one-launch kernel cuts each token block's gather into column slices (one block each,
+// kernels/moe_permute.cuh); row widths that the slices do not divide, up to the 16 slices' cap, and
+// blocks owning several tokens.
+TEST(MoeSmallPathsGpu, OneLaunchPermutationSlicesWideRows) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  Stream st;
+  std::mt19937_64 rng(321);
+  struct Case {
+    int E, k;
+    int64_t H;
+    std::vector<int64_t> tokens;
+  };
+  const std::vector<Case> cases = {{256, 8, 6144, {1, 2, 9, 64, 300, 512}},
+                                   {384, 8, 7168, {1, 3}},
+                                   {128, 4, 2880, {1, 5, 1024}},
+                                   {40, 3, 773 * 8, {1, 700, 1366}},
+                                   {8, 1, 16384, {1, 4096}}};
+  for (const Case& c : cases)
+    for (int64_t T : c.tokens) ASSERT_NO_FATAL_FAILURE(check_small_equals_chunked(c.E, c.k, T, c.H, T % 2, rng, st.s));
 }
 
 TEST(MoeSmallPathsGpu, CombineEveryTopKAndWideRows) {

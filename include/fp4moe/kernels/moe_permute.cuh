@@ -177,8 +177,32 @@ inline constexpr int kSmallPermuteMaxOwn = 32;
 __host__ __device__ constexpr int small_permute_tokens_per_block(int64_t tokens) {
   return static_cast<int>((tokens + kSmallPermuteMaxBlocks - 1) / kSmallPermuteMaxBlocks);
 }
+// The gather's stores per block are capped near kSmallPermuteSliceBytes by cutting the hidden columns
+// into slices, one block each: a block's 16-byte stores leave its SM at ~30 ns per KB (H100 timelines:
+// the one-block launch at T = 1 took 2.7 us for 32 KB of copies and 4.7 for 98 KB), so the whole copy
+// in one block was most of the launch at T = 1..8 on the large models; in slices of 16 KB GLM-5's and
+// Kimi-K2's launch took 3.0 us at T = 1 instead of 4.7 / 5.8 (bench/NOTES.md, twenty-fifth session).
+// Every slice recomputes the histogram and the scan (a few KB of L2 reads). 32 KB: two slices of
+// qwen3-30b's or gpt-oss-120b's 23-32 KB measured level with one.
+inline constexpr int64_t kSmallPermuteSliceBytes = 32 * 1024;
+inline constexpr int kSmallPermuteMaxSlices = 16;
+__host__ __device__ constexpr int small_permute_slices(int64_t tokens_per_block, int top_k, int64_t h8) {
+  const int64_t bytes = tokens_per_block * top_k * h8 * 16;
+  int64_t s = (bytes + kSmallPermuteSliceBytes - 1) / kSmallPermuteSliceBytes;
+  s = s < kSmallPermuteMaxSlices ? s : kSmallPermuteMaxSlices;
+  s = s < h8 ? s : h8;  // at least one column per slice
+  return s < 1 ? 1 : static_cast<int>(s);
+}
+// Columns per slice: every slice but the last has this many, the last the rest (at least one).
+__host__ __device__ constexpr int small_permute_slice_cols(int slices, int64_t h8) {
+  return static_cast<int>((h8 + slices - 1) / slices);
+}
 
-// Block b owns tokens [b * tpb, min(T, (b + 1) * tpb)), i.e. flat entries [begin, end).
+// Block (tb, c) = (blockIdx.x, blockIdx.y) owns tokens [tb * tpb, min(T, (tb + 1) * tpb)), i.e. flat
+// entries [begin, end), and copies hidden columns [c * slice_cols, min(h8, (c + 1) * slice_cols)) of
+// them (gridDim.y slices; one without the gather). No division runs before the trigger: the dependent's
+// launch follows it, and a version with the slice's bounds divided out in the kernel delayed GEMM1's start
+// by ~0.5 us (bench/NOTES.md, twenty-fifth session).
 //   1. (gather) issue the loads of the owned hidden rows first: their DRAM latency then overlaps the
 //      histogram and the scan instead of following them;
 //   2. histogram of all n ids in shared memory, split into entries before `begin` and the rest (one
@@ -186,7 +210,7 @@ __host__ __device__ constexpr int small_permute_tokens_per_block(int64_t tokens)
 //   3. block-wide exclusive scan of the totals -> offsets; block 0 writes expert_offsets (and the
 //      shared expert's {0, T});
 //   4. warp 0 ranks the owned entries (<= 32) among equal experts with __match_any_sync:
-//      row = offsets[e] + (entries of e before begin) + (peers in lower lanes);
+//      row = offsets[e] + (entries of e before begin) + (peers in lower lanes); slice 0 writes them;
 //   5. (gather) copy each owned hidden vector to its k rows (16-byte stores, fire and forget).
 // hidden_before_wait (the layer's own launch): the hidden rows were final before the predecessor (the
 // routing kernel, launched without programmatic launch) began, so step 1 is issued before
@@ -198,26 +222,36 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
                              int32_t* __restrict__ expert_offsets, int32_t* __restrict__ row_of,
                              float* __restrict__ row_scale, int32_t* __restrict__ shared_offsets,
                              const uint4* __restrict__ hidden, int64_t h8, uint4* __restrict__ sorted,
-                             int hidden_before_wait) {
+                             int hidden_before_wait, int slice_cols) {
   constexpr int kWarps = kSmallPermuteThreads / 32;
   __shared__ int32_t before[kMaxExperts];  // entries of e before `begin`; then the first row of e here
   __shared__ int32_t rest[kMaxExperts];    // entries of e at or after `begin`
   __shared__ int32_t warp_sums[kWarps];
   __shared__ int32_t rows[kSmallPermuteMaxOwn];
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
-  const int t0 = static_cast<int>(blockIdx.x) * tokens_per_block;
+  const int tb = static_cast<int>(blockIdx.x), slice = static_cast<int>(blockIdx.y);
+  const int t0 = tb * tokens_per_block;
   const int t1 = min(tokens, t0 + tokens_per_block);
   const int n = tokens * top_k, begin = t0 * top_k, end = t1 * top_k;
 
-  // 1. prefetch of the owned hidden rows (consecutive tokens are consecutive rows)
-  const int own_vecs = kGather ? static_cast<int>((t1 - t0) * h8) : 0;
+  // 1. prefetch of the owned hidden rows' columns [col0, col0 + cw) (vector v: token t0 + v / cw; the
+  //    vectors are contiguous when the block owns one token or whole rows)
+  const int col0 = slice * slice_cols;
+  const int cw = min(slice_cols, static_cast<int>(h8) - col0);
+  const int own_vecs = kGather ? (t1 - t0) * cw : 0;
+  const bool flat = t1 - t0 == 1 || cw == h8;
+  auto src_of = [&](int v) {
+    if (flat) return hidden + static_cast<int64_t>(t0) * h8 + col0 + v;
+    const int tl = v / cw;
+    return hidden + (static_cast<int64_t>(t0) + tl) * h8 + col0 + (v - tl * cw);
+  };
   uint4 pre[kSmallPermutePrefetch] = {};
   auto prefetch = [&] {
     if constexpr (kGather) {
 #pragma unroll
       for (int q = 0; q < kSmallPermutePrefetch; ++q) {
         const int v = tid + q * kSmallPermuteThreads;
-        if (v < own_vecs) pre[q] = hidden[static_cast<int64_t>(t0) * h8 + v];
+        if (v < own_vecs) pre[q] = *src_of(v);
       }
     }
   };
@@ -225,6 +259,14 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
   pdl_wait();  // programmatic dependent launch: the predecessor's results are visible after this
   pdl_launch_dependents();
   if (!hidden_before_wait) prefetch();
+  // The owned entries' ids and weights (warp 0, one per lane), requested with the histogram's loads:
+  // reloaded at step 4 they were two more L2 round trips after the scan.
+  int own_e = -1;
+  float own_w = 0.0f;
+  if (warp == 0 && begin + lane < end) {
+    own_e = ids[begin + lane];
+    own_w = weights[begin + lane];
+  }
 
   // 2. histogram
   for (int e = tid; e < num_experts; e += kSmallPermuteThreads) {
@@ -256,7 +298,7 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) warp_base += w < warp ? warp_sums[w] : 0;
   const int32_t off0 = warp_base + incl - c0 - c1, off1 = off0 + c0;
-  if (blockIdx.x == 0) {
+  if (blockIdx.x == 0 && blockIdx.y == 0) {
     if (e0 < num_experts) expert_offsets[e0] = off0;
     if (e1 < num_experts) expert_offsets[e1] = off1;
     if (e0 == num_experts - 1 || e1 == num_experts - 1) expert_offsets[num_experts] = off1 + c1;
@@ -273,14 +315,16 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
   // 4. rank the owned entries (flat order = token, then slot) among equal experts
   if (warp == 0) {
     const int i = begin + lane;
-    int e = i < end ? ids[i] : -1;
+    int e = own_e;
     if (e >= num_experts) e = -1;
     const uint32_t peers = __match_any_sync(0xffffffffu, e);
     int32_t row = -1;
     if (e >= 0) {
       row = before[e] + __popc(peers & ((1u << lane) - 1u));
-      row_of[i] = row;
-      row_scale[row] = weights[i];
+      if (slice == 0) {  // every slice ranks its tokens' entries; the first writes them
+        row_of[i] = row;
+        row_scale[row] = own_w;
+      }
     }
     rows[lane] = row;
   }
@@ -290,8 +334,8 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
   // 5. gather
   const int k = top_k;
   auto store = [&](int v, const uint4& x) {
-    const int tl = v / static_cast<int>(h8);
-    const int64_t col = v - static_cast<int64_t>(tl) * h8;
+    const int tl = v / cw;
+    const int64_t col = col0 + (v - tl * cw);
     for (int s = 0; s < k; ++s) {
       const int32_t r = rows[tl * k + s];
       if (r >= 0) sorted[static_cast<int64_t>(r) * h8 + col] = x;
@@ -305,9 +349,9 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
   for (int v = tid + kSmallPermutePrefetch * kSmallPermuteThreads; v < own_vecs; v += 2 * kSmallPermuteThreads) {
     // two loads in flight per iteration before their stores
     const int v2 = v + kSmallPermuteThreads;
-    const uint4 a = hidden[static_cast<int64_t>(t0) * h8 + v];
+    const uint4 a = *src_of(v);
     uint4 b{};
-    if (v2 < own_vecs) b = hidden[static_cast<int64_t>(t0) * h8 + v2];
+    if (v2 < own_vecs) b = *src_of(v2);
     store(v, a);
     if (v2 < own_vecs) store(v2, b);
   }

@@ -274,4 +274,171 @@ __global__ void __launch_bounds__(kRoutingWarps * 32) routing_topk_kernel(Routin
   }
 }
 
+__device__ __forceinline__ float routing_neg_inf() { return -__int_as_float(0x7f800000); }
+
+// The CTA kernel's pieces (below). routing_topk_kernel keeps its own inline copy of the same arithmetic:
+// built from these helpers, it compiled to other code (34 -> 40 registers at 128 experts), and the
+// layers that run it at T = 1 (gpt-oss-120b, qwen3-30b) took 0.3-0.6 us longer on an H100 (bench/NOTES.md,
+// twenty-fifth session).
+//
+// One expert's selection score and the value its weight is computed from (the logit, the unbiased
+// sigmoid, z), as route_reference computes them.
+__device__ __forceinline__ void routing_score(const RoutingParams& p, float x, float b, float& sel, float& wval) {
+  if (p.kind == RouterKind::kSoftmaxTopK) {
+    sel = x;
+    wval = x;
+  } else if (p.kind == RouterKind::kSigmoidGrouped) {
+    const float s = 1.0f / (1.0f + expf(-x));
+    sel = p.bias ? s + b : s;
+    wval = s;
+  } else {
+    const float z = p.bias ? x + b : x;
+    sel = z;
+    wval = z;
+  }
+  // A NaN score must still select an in-range expert (the permutation indexes with it): it ranks below
+  // every number, ties resolved by index.
+  if (sel != sel) sel = routing_neg_inf();
+}
+
+// k rounds of a warp argmax over the lanes' sorted candidate lists (best first): each round's winner is
+// two REDUX instructions (max of the key, then min of the index among the lanes that hold it) and its
+// lane pops it. Lane s keeps round s's winner. With fewer than k candidates left, a round's winner is
+// (0, 0xffffffff), which loses to every candidate.
+template <int kPerLane>
+__device__ __forceinline__ void topk_rounds(uint32_t (&key)[kPerLane], uint32_t (&idx)[kPerLane], int k, int lane,
+                                            uint32_t& my_key, uint32_t& my_idx) {
+  for (int s = 0; s < k; ++s) {
+    const uint32_t best_key = __reduce_max_sync(0xffffffffu, key[0]);
+    const uint32_t bi = __reduce_min_sync(0xffffffffu, key[0] == best_key ? idx[0] : 0xffffffffu);
+    if (idx[0] == bi) {
+#pragma unroll
+      for (int j = 0; j + 1 < kPerLane; ++j) {
+        key[j] = key[j + 1];
+        idx[j] = idx[j + 1];
+      }
+      key[kPerLane - 1] = 0u;
+      idx[kPerLane - 1] = 0xffffffffu;
+    }
+    if (lane == s) {
+      my_key = best_key;
+      my_idx = bi;
+    }
+  }
+}
+
+// Slot lane s < k holds its expert and that expert's weight value; every lane of the warp calls this
+// (the renormalization reads the slots by shuffle). m, denom: the softmax's max logit and denominator.
+__device__ __forceinline__ void routing_store_slots(const RoutingParams& p, int64_t t, int lane, int my_id,
+                                                    float my_wval, float m, float denom) {
+  float w;
+  if (p.kind == RouterKind::kSoftmaxTopK) {
+    w = expf(my_wval - m) / denom;
+  } else if (p.kind == RouterKind::kSigmoidGrouped) {
+    w = my_wval;
+  } else {
+    const float z0 = __shfl_sync(0xffffffffu, my_wval, 0);  // slot 0 holds the largest z
+    w = expf(my_wval - z0);
+  }
+  const bool normalize = p.kind == RouterKind::kGptOss || p.renormalize;
+  if (normalize) {
+    float sum = 0.0f;
+    for (int s = 0; s < p.top_k; ++s) sum += __shfl_sync(0xffffffffu, w, s);
+    w = w / sum;
+  }
+  w = w * p.routed_scaling;
+  if (lane < p.top_k) {
+    p.topk_ids[t * p.top_k + lane] = my_id;
+    p.topk_weights[t * p.top_k + lane] = w;
+  }
+}
+
+// A CTA per token, for few tokens (the layer's decode steps; moe_route picks it): with one warp per token
+// the routing kernel is that warp's dependency chains, which grow with the experts per lane (on an H100
+// the kernel took 1.9 / 3.5 / 5.4 us for 128 / 256 / 384 experts at T = 1, and everything after it in
+// the layer waits for it). Here kRoutingCtaWarps warps split the experts (warp w holds experts
+// [w x 32 kPerLane, (w + 1) x 32 kPerLane)), each warp selects its own top k as above, and warp 0 merges
+// the warps' k candidates each, one per lane, in k more REDUX rounds. The union of the warps' top k
+// holds the token's top k, and every comparison is the same total order, so the ids, their slot order
+// and the weights are bit-identical to routing_topk_kernel's (the softmax's max is a max, and its
+// denominator is summed by one loop in expert order, as there). For n_group == 1 and
+// kRoutingCtaWarps x k <= 32 (one candidate per lane in the merge).
+inline constexpr int kRoutingCtaWarps = 4;
+
+template <int kPerLane>
+__global__ void __launch_bounds__(kRoutingCtaWarps * 32) routing_topk_cta_kernel(RoutingParams p) {
+  constexpr int W = kRoutingCtaWarps;
+  constexpr int kSpan = 32 * kPerLane;  // experts per warp
+  __shared__ float wval_buf[W * kSpan];
+  __shared__ float exp_buf[W * kSpan];
+  __shared__ float warp_max[W];
+  __shared__ uint32_t cand_key[32], cand_idx[32];
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t t = blockIdx.x;
+  const int E = p.num_experts, k = p.top_k;
+  const float* row = p.logits + t * E;
+  const float kNegInf = routing_neg_inf();
+
+  float x[kPerLane], b[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int e = warp * kSpan + 32 * j + lane;
+    x[j] = e < E ? row[e] : 0.0f;
+    b[j] = (e < E && p.bias != nullptr) ? p.bias[e] : 0.0f;
+  }
+  float sel[kPerLane];
+  float m = kNegInf;  // softmax: the max logit of this warp's experts, then of all
+  uint32_t key[kPerLane], idx[kPerLane];
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const int e = warp * kSpan + 32 * j + lane;
+    sel[j] = kNegInf;
+    if (e < E) {
+      float wval;
+      routing_score(p, x[j], b[j], sel[j], wval);
+      wval_buf[e] = wval;
+      m = fmaxf(m, sel[j]);
+    }
+    key[j] = e < E ? routing_key(sel[j]) : 0u;
+    idx[j] = e < E ? static_cast<uint32_t>(e) : 0xffffffffu;
+  }
+  if (p.kind == RouterKind::kSoftmaxTopK) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lane == 0) warp_max[warp] = m;
+  }
+  sort_candidates<kPerLane>(key, idx);
+  uint32_t my_key = 0u, my_idx = 0xffffffffu;
+  topk_rounds<kPerLane>(key, idx, k, lane, my_key, my_idx);
+  if (lane < k) {
+    cand_key[warp * k + lane] = my_key;
+    cand_idx[warp * k + lane] = my_idx;
+  }
+  __syncthreads();  // candidates, weight values and the warps' maxima are in
+  if (p.kind == RouterKind::kSoftmaxTopK) {
+    m = warp_max[0];
+#pragma unroll
+    for (int w = 1; w < W; ++w) m = fmaxf(m, warp_max[w]);
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = warp * kSpan + 32 * j + lane;
+      if (e < E) exp_buf[e] = expf(x[j] - m);
+    }
+    __syncthreads();
+  }
+  if (warp != 0) return;
+
+  // The merge: lane l holds candidate l (W x k of them, the rest lose to all).
+  uint32_t ck[1] = {lane < W * k ? cand_key[lane] : 0u};
+  uint32_t ci[1] = {lane < W * k ? cand_idx[lane] : 0xffffffffu};
+  my_idx = 0xffffffffu;
+  topk_rounds<1>(ck, ci, k, lane, my_key, my_idx);
+  const int my_id = static_cast<int>(my_idx);
+  const float my_wval = lane < k ? wval_buf[my_id] : 0.0f;
+  float denom = 0.0f;
+  if (p.kind == RouterKind::kSoftmaxTopK)
+    for (int e = 0; e < E; ++e) denom += exp_buf[e];  // in expert order, as routing_topk_kernel sums it
+  routing_store_slots(p, t, lane, my_id, my_wval, m, denom);
+}
+
 }  // namespace fp4moe::kernels
