@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "fp4moe/cuda_check.hpp"
@@ -51,6 +52,28 @@ inline std::vector<uint16_t> combine_reference(const std::vector<uint16_t>& y, c
       out[t * hidden + h] = float_to_bf16_bits(acc);
     }
   return out;
+}
+
+// The permutation's expected output from the ids alone: a stable counting sort. off [E + 1]: expert
+// offsets; row_of [n]: the row of flat entry i; row_scale [n]: entry i's weight at its row.
+struct HostPermutation {
+  std::vector<int32_t> off, row_of;
+  std::vector<float> row_scale;
+};
+inline HostPermutation host_permutation(const std::vector<int32_t>& ids, const std::vector<float>& w, int E) {
+  HostPermutation h;
+  const size_t n = ids.size();
+  h.off.assign(E + 1, 0);
+  h.row_of.resize(n);
+  h.row_scale.resize(n);
+  for (int32_t e : ids) ++h.off[e + 1];
+  for (int e = 0; e < E; ++e) h.off[e + 1] += h.off[e];
+  std::vector<int32_t> next(h.off.begin(), h.off.end() - 1);
+  for (size_t i = 0; i < n; ++i) {
+    h.row_of[i] = next[ids[i]]++;
+    h.row_scale[h.row_of[i]] = w[i];
+  }
+  return h;
 }
 
 }  // namespace fp4moe::test

@@ -402,16 +402,9 @@ TEST(MoePermuteGpu, StableExpertSortedRows) {
           w[t * k + s] = std::uniform_real_distribution<float>(0.f, 1.f)(rng);
         }
       }
-      // Host: stable counting sort.
-      std::vector<int32_t> off(E + 1, 0), row_of(T * k);
-      std::vector<float> row_scale(T * k);
-      for (int32_t e : ids) ++off[e + 1];
-      for (int e = 0; e < E; ++e) off[e + 1] += off[e];
-      std::vector<int32_t> next(off.begin(), off.end() - 1);
-      for (int64_t i = 0; i < T * k; ++i) {
-        row_of[i] = next[ids[i]]++;
-        row_scale[row_of[i]] = w[i];
-      }
+      const test::HostPermutation hp = test::host_permutation(ids, w, E);
+      const std::vector<int32_t>&off = hp.off, &row_of = hp.row_of;
+      const std::vector<float>& row_scale = hp.row_scale;
       OwnedDeviceBuffer d_ids = upload(ids), d_w = upload(w);
       OwnedDeviceBuffer d_cc(moe_permute_chunks(T * k) * E * 4), d_off((E + 1) * 4), d_row(T * k * 4),
           d_rs(T * k * 4), d_sh(16);

@@ -88,16 +88,9 @@ void check_small_equals_chunked(int E, int k, int64_t T, int64_t H, int skew, st
   }
   std::vector<uint16_t> hidden(T * H);
   for (auto& v : hidden) v = static_cast<uint16_t>(rng());
-  // Host: stable counting sort.
-  std::vector<int32_t> off(E + 1, 0), row_of(T * k);
-  std::vector<float> row_scale(T * k);
-  for (int32_t e : ids) ++off[e + 1];
-  for (int e = 0; e < E; ++e) off[e + 1] += off[e];
-  std::vector<int32_t> next(off.begin(), off.end() - 1);
-  for (int64_t i = 0; i < T * k; ++i) {
-    row_of[i] = next[ids[i]]++;
-    row_scale[row_of[i]] = w[i];
-  }
+  const test::HostPermutation hp = test::host_permutation(ids, w, E);
+  const std::vector<int32_t>&off = hp.off, &row_of = hp.row_of;
+  const std::vector<float>& row_scale = hp.row_scale;
   OwnedDeviceBuffer d_ids = upload(ids), d_w = upload(w), d_h = upload(hidden);
   const PermuteOut chunked = run_permute(PermutePath::kChunked, E, k, T, H, d_ids, d_w, d_h, stream);
   const PermuteOut automatic = run_permute(PermutePath::kAuto, E, k, T, H, d_ids, d_w, d_h, stream);
