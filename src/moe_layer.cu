@@ -279,10 +279,11 @@ void permute_gather(int num_experts, int top_k, int64_t tokens, const int32_t* t
       // slices from the columns per slice, so that none is empty
       const int cols = kernels::small_permute_slice_cols(kernels::small_permute_slices(tpb, top_k, h8), h8);
       const auto slices = static_cast<unsigned>((h8 + cols - 1) / cols);
-      detail::launch(kernels::moe_permute_small_kernel<true>, dim3(blocks, slices),
-                     dim3(kernels::kSmallPermuteThreads), 0, stream, pdl, topk_ids, topk_weights,
-                     static_cast<int>(tokens), top_k, num_experts, tpb, expert_offsets, row_of, row_scale,
-                     shared_offsets, static_cast<const uint4*>(hidden), h8, static_cast<uint4*>(sorted),
+      // one slice: the kernel without the slice arithmetic (the code the layer ran before the slices)
+      detail::launch(slices > 1 ? kernels::moe_permute_small_kernel<true, true> : kernels::moe_permute_small_kernel<true>,
+                     dim3(blocks, slices), dim3(kernels::kSmallPermuteThreads), 0, stream, pdl, topk_ids,
+                     topk_weights, static_cast<int>(tokens), top_k, num_experts, tpb, expert_offsets, row_of,
+                     row_scale, shared_offsets, static_cast<const uint4*>(hidden), h8, static_cast<uint4*>(sorted),
                      hidden_before_wait ? 1 : 0, cols);
     } else {
       detail::launch(kernels::moe_permute_small_kernel<false>, dim3(blocks), dim3(kernels::kSmallPermuteThreads), 0,

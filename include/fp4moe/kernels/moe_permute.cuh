@@ -200,9 +200,9 @@ __host__ __device__ constexpr int small_permute_slice_cols(int slices, int64_t h
 
 // Block (tb, c) = (blockIdx.x, blockIdx.y) owns tokens [tb * tpb, min(T, (tb + 1) * tpb)), i.e. flat
 // entries [begin, end), and copies hidden columns [c * slice_cols, min(h8, (c + 1) * slice_cols)) of
-// them (gridDim.y slices; one without the gather). No division runs before the trigger: the dependent's
-// launch follows it, and a version with the slice's bounds divided out in the kernel delayed GEMM1's start
-// by ~0.5 us (bench/NOTES.md, twenty-fifth session).
+// them (gridDim.y slices with kSliced; one slice, and no slice arithmetic, without it). No division runs
+// before the trigger: the dependent's launch follows it, and a version with the slice's bounds divided
+// out in the kernel delayed GEMM1's start by ~0.5 us (bench/NOTES.md, twenty-fifth session).
 //   1. (gather) issue the loads of the owned hidden rows first: their DRAM latency then overlaps the
 //      histogram and the scan instead of following them;
 //   2. histogram of all n ids in shared memory, split into entries before `begin` and the rest (one
@@ -215,7 +215,7 @@ __host__ __device__ constexpr int small_permute_slice_cols(int slices, int64_t h
 // hidden_before_wait (the layer's own launch): the hidden rows were final before the predecessor (the
 // routing kernel, launched without programmatic launch) began, so step 1 is issued before
 // griddepcontrol.wait and their DRAM latency passes under routing's tail.
-template <bool kGather>
+template <bool kGather, bool kSliced = false>
 __global__ void __launch_bounds__(kSmallPermuteThreads)
     moe_permute_small_kernel(const int32_t* __restrict__ ids, const float* __restrict__ weights, int tokens,
                              int top_k, int num_experts, int tokens_per_block,
@@ -229,17 +229,17 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
   __shared__ int32_t warp_sums[kWarps];
   __shared__ int32_t rows[kSmallPermuteMaxOwn];
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
-  const int tb = static_cast<int>(blockIdx.x), slice = static_cast<int>(blockIdx.y);
+  const int tb = static_cast<int>(blockIdx.x), slice = kSliced ? static_cast<int>(blockIdx.y) : 0;
   const int t0 = tb * tokens_per_block;
   const int t1 = min(tokens, t0 + tokens_per_block);
   const int n = tokens * top_k, begin = t0 * top_k, end = t1 * top_k;
 
   // 1. prefetch of the owned hidden rows' columns [col0, col0 + cw) (vector v: token t0 + v / cw; the
   //    vectors are contiguous when the block owns one token or whole rows)
-  const int col0 = slice * slice_cols;
-  const int cw = min(slice_cols, static_cast<int>(h8) - col0);
+  const int col0 = kSliced ? slice * slice_cols : 0;
+  const int cw = kSliced ? min(slice_cols, static_cast<int>(h8) - col0) : static_cast<int>(h8);
   const int own_vecs = kGather ? (t1 - t0) * cw : 0;
-  const bool flat = t1 - t0 == 1 || cw == h8;
+  const bool flat = !kSliced || t1 - t0 == 1 || cw == h8;
   auto src_of = [&](int v) {
     if (flat) return hidden + static_cast<int64_t>(t0) * h8 + col0 + v;
     const int tl = v / cw;
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kSmallPermuteThreads)
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) warp_base += w < warp ? warp_sums[w] : 0;
   const int32_t off0 = warp_base + incl - c0 - c1, off1 = off0 + c0;
-  if (blockIdx.x == 0 && blockIdx.y == 0) {
+  if (blockIdx.x == 0 && slice == 0) {
     if (e0 < num_experts) expert_offsets[e0] = off0;
     if (e1 < num_experts) expert_offsets[e1] = off1;
     if (e0 == num_experts - 1 || e1 == num_experts - 1) expert_offsets[num_experts] = off1 + c1;
