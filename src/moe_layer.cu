@@ -198,13 +198,11 @@ void moe_route(const MoeConfig& cfg, const float* logits, const float* router_bi
   rp.routed_scaling = cfg.routed_scaling;
   rp.kind = cfg.router;
   const int E = cfg.num_experts;
-  // The CTA kernel's merge holds one candidate per lane (kRoutingCtaWarps x k <= 32), and its warps do
-  // not share the group scores of grouped selection.
-  const bool cta_applies = rp.n_group == 1 && kernels::kRoutingCtaWarps * rp.top_k <= 32;
+  // The CTA kernel's merge holds one candidate per lane (kRoutingCtaWarps x k <= 32).
+  const bool cta_applies = kernels::kRoutingCtaWarps * rp.top_k <= 32;
   FP4MOE_REQUIRE(path != RoutingPath::kCtaPerToken || cta_applies,
-                 "moe_route: path = kCtaPerToken needs n_group = 1 and top_k <= {} (config '{}': n_group = {}, "
-                 "top_k = {})",
-                 32 / kernels::kRoutingCtaWarps, cfg.name, rp.n_group, rp.top_k);
+                 "moe_route: path = kCtaPerToken needs top_k <= {} (config '{}': top_k = {})",
+                 32 / kernels::kRoutingCtaWarps, cfg.name, rp.top_k);
   // Automatic only where the warp kernel holds 8 or more experts per lane: at 128 experts the CTA kernel
   // measured level (gpt-oss-120b) to 0.3 us slower (qwen3-30b's softmax, two barriers and the merge),
   // at 256 / 384 it took 2.9 / 3.1 us instead of 3.6 / 5.4 (H100, bench/NOTES.md, twenty-fifth session).

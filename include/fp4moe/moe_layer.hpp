@@ -141,7 +141,7 @@ int64_t moe_permute_chunks(int64_t n);  // ceil(n / kMoePermuteChunk)
 // Routing: logits fp32 [T, E], router_bias [E] or null -> topk_ids int32 [T, k], topk_weights fp32 [T, k]
 // (slots in descending selection score, ties -> lower expert index; route_reference's arithmetic).
 // Which routing kernel runs. kAuto: kCtaPerToken for tokens <= kRoutingCtaMaxTokens (64) with more than
-// kRoutingCtaMinExperts (128) experts where it applies (n_group == 1, top_k <= 8), else kWarpPerToken.
+// kRoutingCtaMinExperts (128) experts where it applies (top_k <= 8), else kWarpPerToken.
 // Both give bit-identical outputs; forcing one is for tests (kCtaPerToken where it does not apply is
 // refused).
 //   kWarpPerToken: one warp per token (kernels/routing_topk.cuh, routing_topk_kernel);

@@ -289,6 +289,18 @@ std::vector<MoeConfig> routing_configs() {
   nonorm.name = "sigmoid-no-renorm";
   nonorm.renormalize = false;
   v.push_back(nonorm);
+  // Grouped selection with groups that straddle the CTA kernel's warps (30 experts per group, 64 per warp)
+  // and with groups of 32 over 384 experts (the fourth warp holds none).
+  MoeConfig straddle = preset("deepseek-v3");
+  straddle.name = "grouped-240-straddling";
+  straddle.num_experts = 240;
+  straddle.topk_group = 3;
+  v.push_back(straddle);
+  MoeConfig g384 = preset("kimi-k2");
+  g384.name = "grouped-384x12";
+  g384.n_group = 12;
+  g384.topk_group = 5;
+  v.push_back(g384);
   return v;
 }
 
@@ -328,15 +340,15 @@ TEST(MoeRoutingGpu, TiesGoToTheLowerExpertIndex) {
 
 // The CTA-per-token kernel (decode) against the warp-per-token one: the same ids in the same slots and
 // the same weights bit for bit, on random logits and on logits with many exact ties, at token counts on
-// both sides of the automatic switch; the automatic path too. Configs it does not apply to (grouped
-// selection, k > 8) are refused when forced.
+// both sides of the automatic switch; the automatic path too, grouped selection included. Configs it does
+// not apply to (k > 8) are refused when forced.
 TEST(MoeRoutingGpu, CtaPerTokenEqualsWarpPerToken) {
   FP4MOE_SKIP_WITHOUT_GPU();
   Stream st;
   int covered = 0;
   for (const MoeConfig& cfg : routing_configs()) {
     SCOPED_TRACE(cfg.name);
-    const bool applies = (cfg.router != RouterKind::kSigmoidGrouped || cfg.n_group == 1) && cfg.top_k <= 8;
+    const bool applies = cfg.top_k <= 8;
     const int k = cfg.top_k;
     if (!applies) {
       const int64_t T = 1;
@@ -373,7 +385,7 @@ TEST(MoeRoutingGpu, CtaPerTokenEqualsWarpPerToken) {
       }
     }
   }
-  EXPECT_GE(covered, 8);  // every preset but deepseek-v3 (grouped) and the k = 16 softmax
+  EXPECT_GE(covered, 13);  // every config but the k = 16 softmax
 }
 
 // ---------------------------------------------------------------------------------------------------

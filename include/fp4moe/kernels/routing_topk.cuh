@@ -361,9 +361,68 @@ __device__ __forceinline__ void routing_store_slots(const RoutingParams& p, int6
 // the warps' k candidates each, one per lane, in k more REDUX rounds. The union of the warps' top k
 // holds the token's top k, and every comparison is the same total order, so the ids, their slot order
 // and the weights are bit-identical to routing_topk_kernel's (the softmax's max is a max, and its
-// denominator is summed by one loop in expert order, as there). For n_group == 1 and
-// kRoutingCtaWarps x k <= 32 (one candidate per lane in the merge).
+// denominator is summed by one loop in expert order, as there). Grouped selection (DeepSeek-V3) runs
+// before the warps' own top k: each warp reduces the (top score, second score) pair of every group its
+// experts meet, the pairs of a group meet across warps through shared memory, and every warp then picks
+// the same topk_group groups (cta_kept_groups). For kRoutingCtaWarps x k <= 32 (one candidate per lane
+// in the merge).
 inline constexpr int kRoutingCtaWarps = 4;
+
+// Grouped selection with the experts split over W warps: the bit mask of the topk_group kept groups,
+// the same in every warp (every warp calls it: it holds a CTA barrier). A group's score is the sum of its
+// two best selection scores, as in routing_topk_kernel. That pair is the max and second max of the
+// group's scores, which top2_merge gives exactly in any merge order, and the sum is one add of the same
+// two floats, so the scores and the kept groups are the warp kernel's bit for bit. pair: 2 x W x 32
+// floats of shared memory. sel: this warp's experts' scores (expert warp x 32 kPerLane + 32 j + lane;
+// -inf past E).
+template <int kPerLane, int W>
+__device__ __forceinline__ uint32_t cta_kept_groups(const RoutingParams& p, const float (&sel)[kPerLane], int warp,
+                                                    int lane, float* pair) {
+  constexpr int kSpan = 32 * kPerLane;
+  const float kNegInf = routing_neg_inf();
+  const int E = p.num_experts, n_group = p.n_group, gsize = E / n_group;
+  float* a1s = pair + warp * 32;
+  float* a2s = pair + (W + warp) * 32;
+  a1s[lane] = kNegInf;  // groups this warp's experts do not meet
+  a2s[lane] = kNegInf;
+  __syncwarp();
+  const int lo = warp * kSpan, hi = min(E, lo + kSpan);
+  for (int g = lo / gsize; lo < hi && g <= (hi - 1) / gsize; ++g) {
+    float a1 = kNegInf, a2 = kNegInf;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = lo + 32 * j + lane;
+      if (e < E && e / gsize == g) top2_merge(a1, a2, sel[j], kNegInf);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float b1 = __shfl_xor_sync(0xffffffffu, a1, off);
+      const float b2 = __shfl_xor_sync(0xffffffffu, a2, off);
+      top2_merge(a1, a2, b1, b2);
+    }
+    if (lane == 0) {
+      a1s[g] = a1;
+      a2s[g] = a2;
+    }
+  }
+  __syncthreads();
+  float a1 = kNegInf, a2 = kNegInf;
+  if (lane < n_group) {
+#pragma unroll
+    for (int w = 0; w < W; ++w) top2_merge(a1, a2, pair[w * 32 + lane], pair[(W + w) * 32 + lane]);
+  }
+  const float my_group_score = a1 + a2;
+  uint32_t kept = 0;
+  bool taken = false;
+  for (int r = 0; r < p.topk_group; ++r) {
+    float v = (lane < n_group && !taken) ? my_group_score : kNegInf;
+    int i = (lane < n_group && !taken) ? lane : 0x7fffffff;
+    warp_argmax(v, i);
+    if (i == lane) taken = true;
+    kept |= 1u << (i & 31);
+  }
+  return kept;
+}
 
 template <int kPerLane>
 __global__ void __launch_bounds__(kRoutingCtaWarps * 32) routing_topk_cta_kernel(RoutingParams p) {
@@ -373,6 +432,7 @@ __global__ void __launch_bounds__(kRoutingCtaWarps * 32) routing_topk_cta_kernel
   __shared__ float exp_buf[W * kSpan];
   __shared__ float warp_max[W];
   __shared__ uint32_t cand_key[32], cand_idx[32];
+  __shared__ float group_pair[2 * W * 32];
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int64_t t = blockIdx.x;
   const int E = p.num_experts, k = p.top_k;
@@ -401,6 +461,18 @@ __global__ void __launch_bounds__(kRoutingCtaWarps * 32) routing_topk_cta_kernel
     }
     key[j] = e < E ? routing_key(sel[j]) : 0u;
     idx[j] = e < E ? static_cast<uint32_t>(e) : 0xffffffffu;
+  }
+  if (p.kind == RouterKind::kSigmoidGrouped && p.n_group > 1) {  // uniform over the CTA (its barrier)
+    const uint32_t kept = cta_kept_groups<kPerLane, W>(p, sel, warp, lane, group_pair);
+    const int gsize = E / p.n_group;
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) {
+      const int e = warp * kSpan + 32 * j + lane;
+      if (e < E && !((kept >> (e / gsize)) & 1u)) {  // a dropped group's expert: no candidate
+        key[j] = 0u;
+        idx[j] = 0xffffffffu;
+      }
+    }
   }
   if (p.kind == RouterKind::kSoftmaxTopK) {
 #pragma unroll
