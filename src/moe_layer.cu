@@ -206,9 +206,13 @@ void moe_route(const MoeConfig& cfg, const float* logits, const float* router_bi
   // Automatic only where the warp kernel holds 8 or more experts per lane: at 128 experts the CTA kernel
   // measured level (gpt-oss-120b) to 0.3 us slower (qwen3-30b's softmax, two barriers and the merge),
   // at 256 / 384 it took 2.9 / 3.1 us instead of 3.6 / 5.4 (H100, bench/NOTES.md, twenty-fifth session).
+  // With grouped selection at any token count: the warp kernel's group pass (a butterfly per group, a
+  // division per expert and group) took 11.8-12.4 us at DeepSeek-V3's 256 experts and 8 groups up to
+  // T = 256, 15.6 at 1024 and 31.7 at 4096, the CTA kernel 4.6-5.1 / 8.3 / 22.8 (H100, twenty-sixth
+  // session).
   const bool cta = path == RoutingPath::kCtaPerToken ||
-                   (path == RoutingPath::kAuto && cta_applies && tokens <= kRoutingCtaMaxTokens &&
-                    cfg.num_experts > kRoutingCtaMinExperts);
+                   (path == RoutingPath::kAuto && cta_applies && cfg.num_experts > kRoutingCtaMinExperts &&
+                    (tokens <= kRoutingCtaMaxTokens || rp.n_group > 1));
   if (cta) {
     constexpr int kSpan = 32 * kernels::kRoutingCtaWarps;  // experts per lane-slot across the warps
     if (E <= kSpan) launch_routing_cta<1>(rp, stream);

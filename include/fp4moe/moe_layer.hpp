@@ -140,8 +140,9 @@ int64_t moe_permute_chunks(int64_t n);  // ceil(n / kMoePermuteChunk)
 // All pointers are device memory; nothing synchronizes or allocates.
 // Routing: logits fp32 [T, E], router_bias [E] or null -> topk_ids int32 [T, k], topk_weights fp32 [T, k]
 // (slots in descending selection score, ties -> lower expert index; route_reference's arithmetic).
-// Which routing kernel runs. kAuto: kCtaPerToken for tokens <= kRoutingCtaMaxTokens (64) with more than
-// kRoutingCtaMinExperts (128) experts where it applies (top_k <= 8), else kWarpPerToken.
+// Which routing kernel runs. kAuto: kCtaPerToken where it applies (top_k <= 8) with more than
+// kRoutingCtaMinExperts (128) experts, for tokens <= kRoutingCtaMaxTokens (64), and at any token count with
+// grouped selection (n_group > 1); else kWarpPerToken.
 // Both give bit-identical outputs; forcing one is for tests (kCtaPerToken where it does not apply is
 // refused).
 //   kWarpPerToken: one warp per token (kernels/routing_topk.cuh, routing_topk_kernel);
