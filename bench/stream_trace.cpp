@@ -74,6 +74,22 @@ std::string summarize_stream_trace(const std::vector<unsigned long long>& v, int
       if (n[b] > 0) out += fmt::format(" {}{} rounds: {:.1f} us ({} CTAs);", b, b == 3 ? "+" : "", sum[b] / n[b], n[b]);
     out += "\n";
   }
+  // Which warps of a CTA wait at its round-end barriers (the others arrive last): the mean wait by the
+  // warp's index in its CTA. A pattern by index (or by index mod 4, the SM sub-partition) would be a
+  // static imbalance a split could undo; a flat one is the warps' random rates.
+  if (warps_per_cta > 0) {
+    std::vector<double> wsum(static_cast<size_t>(warps_per_cta), 0.0);
+    std::vector<int> wn(static_cast<size_t>(warps_per_cta), 0);
+    for (size_t w = 0; w < warps; ++w)
+      if (at(w, kTraceEntry) != 0) {
+        wsum[w % warps_per_cta] += static_cast<double>(at(w, kTraceRoundEndNs)) * 1e-3;
+        ++wn[w % warps_per_cta];
+      }
+    out += "    round-end barrier wait by warp in CTA (mean us):";
+    for (int i = 0; i < warps_per_cta; ++i)
+      if (wn[i] > 0) out += fmt::format(" {}:{:.2f}", i, wsum[i] / wn[i]);
+    out += "\n";
+  }
   auto mean = [&](int s) {
     double m = 0;
     for (size_t w = 0; w < warps; ++w)
