@@ -50,6 +50,12 @@ void run_layer_bench(const MoeConfig& cfg, const LayerBenchOptions& opt, const C
   const int64_t H = cfg.hidden, I = cfg.intermediate, Is = cfg.intermediate * cfg.num_shared;
 
   SyntheticLayerRig rig = make_synthetic_layer_rig(cfg, opt.seed, max_t, s);
+  if (opt.force1 || opt.force2) {
+    MoeTileConfigs forced;
+    forced.gemm1 = opt.force1;
+    forced.gemm2 = opt.force2;
+    rig.layer->set_tile_configs(forced);
+  }
   const MoeLayer& layer = *rig.layer;
   DeviceBuffer<float>& router_bias = rig.router_bias;
   DeviceBuffer<uint8_t>& ws = rig.ws;

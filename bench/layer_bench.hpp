@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <cuda_runtime.h>
@@ -22,6 +23,8 @@ struct LayerBenchOptions {
   bool timeline = false;  // one graph replay's kernels on the GPU clock (kernel_timeline.hpp)
   int reps = 20;
   uint64_t seed = 1;
+  // the routed GEMMs' configs at every T (MoeLayer::set_tile_configs); otherwise the tables' / heuristic's
+  std::optional<TileConfig> force1, force2;
 };
 
 // The synthetic layer that the bench and the in-layer tuner time: weights from

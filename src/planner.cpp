@@ -313,9 +313,9 @@ Verdict check_problem_sm80(const TileConfig& cfg, int64_t n, int64_t k, int expe
     v.fail(fmt::format("alignment: N = {} must be a positive multiple of 16 (an m16 weight tile)", n));
   if (k <= 0 || k % 64 != 0)
     v.fail(fmt::format("alignment: K = {} must be a positive multiple of 64 (the repacked NVFP4 chunk)", k));
-  else if (k % cfg.bk != 0)
-    v.fail(fmt::format("alignment: K = {} must be a multiple of the tile's bk = {} (the pipeline has no K "
-                       "tail; K % bk = {})",
+  else if (k % cfg.bk != 0 && !tile_config_has_k_tail(cfg))
+    v.fail(fmt::format("alignment: K = {} must be a multiple of the tile's bk = {} (only the tma configs have a "
+                       "K tail; K % bk = {})",
                        k, cfg.bk, k % cfg.bk));
   if (arch != nullptr && cfg.mma == 2 && v.valid) {
     const Sm80Plan p = plan_sm80(cfg, *arch, 0, k);

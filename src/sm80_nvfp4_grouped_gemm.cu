@@ -123,8 +123,10 @@ void launch_grouped_gemm(const GroupedWeightsView& w, const GroupedGemmArgs& arg
                  "num_experts = {} must be in [1, {}]", w.num_experts, kMaxExperts);
   FP4MOE_REQUIRE(w.n > 0 && w.n % 16 == 0, "weights n = {} must be a positive multiple of 16", w.n);
   FP4MOE_REQUIRE(w.k > 0 && w.k % 64 == 0, "weights k = {} must be a positive multiple of 64", w.k);
-  FP4MOE_REQUIRE(w.k % cfg.bk == 0, "weights k = {} must be a multiple of the tile config's bk = {} ({})", w.k,
-                 cfg.bk, cfg.name());
+  FP4MOE_REQUIRE(w.k % cfg.bk == 0 || tile_config_has_k_tail(cfg),
+                 "weights k = {} must be a multiple of the tile config's bk = {} ({}; only the tma configs have a "
+                 "K tail)",
+                 w.k, cfg.bk, cfg.name());
   FP4MOE_REQUIRE(w.n * w.k <= INT_MAX && args.max_rows * w.k <= (int64_t{1} << 40),
                  "problem too large: n * k = {} (limit {})", w.n * w.k, INT_MAX);
   FP4MOE_REQUIRE(args.max_rows > 0 && args.max_rows <= INT_MAX, "max_rows = {} must be in [1, {}]", args.max_rows,

@@ -161,8 +161,10 @@ void register_bench(CLI::App& app) {
                 "CUPTI activity records, libcupti of the CUDA toolkit loaded at run time)");
   sub->add_option("--reps", args->reps, "timed graph replays per measurement (median reported)")->capture_default_str();
   sub->add_option("--json", args->json, "also write the results as JSON to this file");
-  sub->add_option("--tile1", args->tile1, "gemm mode: force GEMM1's config (a config name, or BNxBTxBKxSTAGESxWARPS)");
-  sub->add_option("--tile2", args->tile2, "gemm mode: force GEMM2's config");
+  sub->add_option("--tile1", args->tile1,
+                  "force GEMM1's config (a config name, or BNxBTxBKxSTAGESxWARPS); in layer mode the routed GEMM1 at "
+                  "every token count");
+  sub->add_option("--tile2", args->tile2, "force GEMM2's config (layer mode: the routed GEMM2)");
   sub->add_flag("--compare-heuristic", args->compare_heuristic,
                 "gemm mode: also time the heuristic's configs and show the tuner's gain");
   sub->add_flag("--trace", args->trace,
@@ -233,6 +235,8 @@ void register_bench(CLI::App& app) {
         o.breakdown = args->breakdown;
         o.timeline = args->timeline;
         o.reps = args->reps;
+        if (!args->tile1.empty()) o.force1 = parse_tile(args->tile1);
+        if (!args->tile2.empty()) o.force2 = parse_tile(args->tile2);
         bench::run_layer_bench(cfg, o, c, s, m);
       }
       if (cfgs.size() == 1) out.update(m);

@@ -117,7 +117,8 @@ struct WorkEstimate {
 WorkEstimate work_estimate(const GemmProblem& p, int bn, int bt, int num_sms, int ctas_per_sm);
 
 // Shape rules of the sm80 kernel: N % 16 == 0 (m16 tiles / repack), K % 64 == 0 (repack chunk),
-// K % bk == 0 (no K tail in the pipeline), E <= kMaxExperts; SwiGLU also N even.
+// K % bk == 0 unless the config has a K tail (tile_config_has_k_tail: the tma configs), E <= kMaxExperts;
+// SwiGLU also N even.
 // With arch, also the K-dependent shared memory of stream configs.
 Verdict check_problem_sm80(const TileConfig& cfg, int64_t n, int64_t k, int experts,
                            const ArchInfo* arch = nullptr);

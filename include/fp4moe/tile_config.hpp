@@ -389,6 +389,11 @@ constexpr bool tile_config_well_formed(const TileConfig& c) {
          (c.bt == 64 || c.bt == 128 || c.bt == 256);
 }
 
+// K not a multiple of bk (but of 64, the repacked chunk): the tma kernel runs ceil(K / bk) stages, the
+// last one partial, which TMA completes with zeros past K (its maps' K extent is exact), so gpt-oss's
+// K = 2880 (22.5 x 128) runs the 128-wide stages too. The other kernels step K by whole stages.
+constexpr bool tile_config_has_k_tail(const TileConfig& c) { return c.mma == 3; }
+
 // The bounded instantiation list of the sm80-nvfp4-grouped kernel (mma.sync m16n8k16 bf16 with NVFP4
 // weights dequantized in registers; runs on sm_80 and newer, the Hopper path today).
 inline constexpr TileConfig kGemmConfigs[] = {

@@ -295,7 +295,16 @@ TEST(Planner, OddKIsRejectedWithTheRule) {
   EXPECT_FALSE(v.valid);
   EXPECT_NE(v.reason.find("K = 2880 must be a multiple of the tile's bk = 128"), std::string::npos) << v.reason;
   EXPECT_NE(v.reason.find("K % bk = 64"), std::string::npos) << v.reason;
+  EXPECT_NE(v.reason.find("only the tma configs have a K tail"), std::string::npos) << v.reason;
   EXPECT_TRUE(check_problem_sm80(TileConfig{128, 32, 64, 8, 8}, 5760, 2880, 128).valid);
+  // The tma configs run a partial last stage (tile_config_has_k_tail): 128-wide stages at K = 2880 and at
+  // K = 64, where the only stage is partial; K must still be a multiple of 64.
+  const TileConfig tma128{256, 32, 128, 8, 8, 3};
+  EXPECT_TRUE(tile_config_has_k_tail(tma128));
+  EXPECT_FALSE(tile_config_has_k_tail(k128));
+  EXPECT_TRUE(check_problem_sm80(tma128, 5760, 2880, 128).valid) << check_problem_sm80(tma128, 5760, 2880, 128).reason;
+  EXPECT_TRUE(check_problem_sm80(tma128, 2880, 64, 128).valid);
+  EXPECT_FALSE(check_problem_sm80(tma128, 2880, 2880 + 32, 128).valid);
   const Verdict odd = check_problem_sm80(k128, 4096, 100, 8);
   EXPECT_FALSE(odd.valid);
   EXPECT_NE(odd.reason.find("multiple of 64"), std::string::npos) << odd.reason;

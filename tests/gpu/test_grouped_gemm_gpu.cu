@@ -436,6 +436,32 @@ TEST(GroupedGemmGpu, TmaConfigsClaimTilesInArrivalOrder) {
   if (ran == 0) GTEST_SKIP() << "no tma config is valid on " << arch.name << " (they need sm_90a)";
 }
 
+// tma configs with 128-wide stages at K not a multiple of 128 (tile_config_has_k_tail): the last stage's
+// copies reach past K and TMA fills them with zeros. K = 64 (the only stage is the partial one), 3 x 64,
+// more stages than the ring holds plus a half (the tail lands at a ring position other than 0, tiles
+// claimed in arrival order on few CTAs), and gpt-oss's K = 2880 with its epilogue (biases, separate up
+// scale). Ragged experts with empty ones and partial token and feature tiles; every result against the
+// float64 reference over the exactly dequantized weights.
+TEST(GroupedGemmGpu, TmaConfigsKTail) {
+  REQUIRE_GPU();
+  const ArchInfo arch = arch_from_device(0);
+  int ran = 0;
+  for_each_valid_tma_config(arch, [&](int ci, const TileConfig& cfg) {
+    if (cfg.bk % 128 != 0) return;  // 64-wide stages divide every K the kernels take
+    const std::vector<int> rows = {cfg.bt + 5, 0, 3, 1, 2 * cfg.bt - 1, 0};
+    run_problem({cfg.bn + 48, 64, rows, GemmEpilogue::kPlain, true, true}, cfg, 180 + ci);
+    run_problem({2 * cfg.bn, 3 * 64, rows, GemmEpilogue::kSwiGLU}, cfg, 181 + ci);
+    Problem many{2 * cfg.bn - 16, (cfg.stages + 2) * cfg.bk + 64, rows, GemmEpilogue::kPlain, false, true};
+    many.max_ctas = 2;
+    many.claimed = true;
+    run_problem(many, cfg, 182 + ci);
+    run_problem({2 * cfg.bn, 2880, {3, 0, 17, cfg.bt + 1}, GemmEpilogue::kGptOssSwiGLU, true, false, true}, cfg,
+                183 + ci);
+    ++ran;
+  });
+  if (ran == 0) GTEST_SKIP() << "no tma config with 128-wide stages is valid on " << arch.name << " (they need sm_90a)";
+}
+
 TEST(GroupedGemmGpu, RejectsBadArguments) {
   GroupedWeightsView w;
   w.num_experts = 2; w.n = 128; w.k = 96;

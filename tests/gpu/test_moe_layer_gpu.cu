@@ -819,8 +819,7 @@ TEST(MoeLayerGpu, StageEventsAndTileOverrides) {
 // shared expert fused into the same launch or in launches of their own, experts of 0..~3x bt/4 rows,
 // against the fp64 reference. Returns how many configs ran (the planner refuses the others here).
 template <class Take>
-static int layer_matches_reference_with_each_config(uint64_t seed, Take take) {
-  const MoeConfig& cfg = preset("tiny");
+static int layer_matches_reference_with_each_config(uint64_t seed, Take take, const MoeConfig& cfg = preset("tiny")) {
   EXPECT_EQ(cfg.num_shared, 1);
   HostLayer L = build_host_layer(cfg, seed);
   VectorExperts experts(std::vector<ExpertWeights>(L.experts.begin(), L.experts.end() - 1),
@@ -833,7 +832,7 @@ static int layer_matches_reference_with_each_config(uint64_t seed, Take take) {
   int ran = 0;
   for (const TileConfig& c : kGemmConfigs) {
     if (!take(c) || !plan_sm80(c, arch).verdict.valid) continue;
-    if (cfg.hidden % c.bk != 0 || cfg.intermediate % c.bk != 0) continue;
+    if ((cfg.hidden % c.bk != 0 || cfg.intermediate % c.bk != 0) && !tile_config_has_k_tail(c)) continue;
     MoeTileConfigs tiles;
     tiles.gemm1 = tiles.gemm2 = tiles.shared_gemm1 = tiles.shared_gemm2 = c;
     layer.set_tile_configs(tiles);
@@ -856,6 +855,19 @@ TEST(MoeLayerGpu, TmaTilesWithFusedSharedExpertMatchReference) {
   FP4MOE_SKIP_WITHOUT_GPU();
   const int ran = layer_matches_reference_with_each_config(77, [](const TileConfig& c) { return c.mma == 3; });
   if (ran == 0) GTEST_SKIP() << "no tma config is valid on this GPU (they need sm_90a)";
+}
+
+// The tma configs with 128-wide stages where K is not a multiple of 128 (a partial last stage, zero-filled
+// past K by TMA): a gpt-oss-style layer (biases, the clamped activation, a shared expert) with hidden =
+// intermediate = 192, so all four GEMMs end on a half stage.
+TEST(MoeLayerGpu, TmaTilesWithKTailMatchReference) {
+  FP4MOE_SKIP_WITHOUT_GPU();
+  MoeConfig cfg = small_gptoss(1);
+  cfg.name = "gptoss-small-k-tail";
+  cfg.hidden = 192;
+  const int ran = layer_matches_reference_with_each_config(
+      79, [](const TileConfig& c) { return c.mma == 3 && c.bk == 128; }, cfg);
+  if (ran == 0) GTEST_SKIP() << "no tma config with 128-wide stages is valid on this GPU (they need sm_90a)";
 }
 
 // The pipeline configs (mma.sync, and wgmma on sm_90a): GEMM2 and the shared GEMM2 put the first stages'

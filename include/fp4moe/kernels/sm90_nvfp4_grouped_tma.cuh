@@ -210,7 +210,12 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int KT = p.k / BK;
+  // K stages per tile, the last one partial where K is not a multiple of BK (K is a multiple of 64): its
+  // copies reach past K, and TMA fills what lies outside the maps' K extent with zeros and still counts
+  // the whole box in the transaction bytes. Zero codes dequantize to +0 whatever the scale (a zero scale
+  // byte decodes to a finite value in both formats), and the activation slabs past K are zeros too, so
+  // the tail adds +0 products and the stages stay one size (docs/kernel-design.md, "K tails").
+  const int KT = (p.k + BK - 1) / BK;
 
   if (tid == 0) {
     if ((smem_base & 1023u) != 0) __trap();  // the swizzled slabs need a 1024-byte aligned base
