@@ -16,6 +16,11 @@
 # (bench/NOTES.md, eighteenth session); AB_ORDER=fixed keeps the given order.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+# Every variant reads the repository's tables unless the caller says otherwise: fp4moe looks for tune/ beside
+# its executable, so a binary carried to .carry/x/base/ found none and ran the heuristic's configs, and an
+# A/B of two builds became an A/B of the heuristic against the tables (bench/NOTES.md, twenty-seventh
+# session). A variant's own `env FP4MOE_TUNE_CACHE=...` still wins.
+export FP4MOE_TUNE_CACHE=${FP4MOE_TUNE_CACHE:-$PWD/tune}
 OUT=${1:?usage: ab_bins.sh OUTDIR MODELS TOKENS ROUNDS LABEL=CMD ...}
 MODELS=${2:?models}
 TOKENS=${3:?tokens}
