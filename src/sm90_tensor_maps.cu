@@ -53,8 +53,9 @@ void encode_2d(CUtensorMap& map, const char* what, CUtensorMapDataType type, con
                  what, static_cast<int>(r), fmt::ptr(base), d0, d1, row_bytes, b0, b1);
 }
 
-void encode_set(CUtensorMap& codes, CUtensorMap& scales, CUtensorMap (&act)[4], const TileConfig& cfg, const uint8_t* c,
-                const uint8_t* s, int64_t experts, int64_t n, int64_t k, const void* a, int64_t max_rows) {
+void encode_set(CUtensorMap& codes, CUtensorMap& scales, CUtensorMap (&act)[4], CUtensorMap& codes_tail,
+                CUtensorMap& scales_tail, const TileConfig& cfg, const uint8_t* c, const uint8_t* s, int64_t experts,
+                int64_t n, int64_t k, const void* a, int64_t max_rows) {
   const uint64_t mrows = static_cast<uint64_t>(experts) * static_cast<uint64_t>(n / 16);
   // codes: an m-tile row is k/64 chunks of 512 B = k 8-byte elements; a stage box is bk of them
   encode_2d(codes, "weight codes", CU_TENSOR_MAP_DATA_TYPE_UINT64, c, static_cast<uint64_t>(k), mrows,
@@ -64,6 +65,16 @@ void encode_set(CUtensorMap& codes, CUtensorMap& scales, CUtensorMap (&act)[4], 
   encode_2d(scales, "block scales", CU_TENSOR_MAP_DATA_TYPE_UINT64, s, static_cast<uint64_t>(k / 8), mrows,
             static_cast<uint64_t>(k), static_cast<uint32_t>(cfg.bk / 8), static_cast<uint32_t>(cfg.bn / 16),
             CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  // an expert's last feature tile where it is partial: the same maps with a box of its m-tile rows only
+  const int tail = static_cast<int>((n / 16) % (cfg.bn / 16));
+  if (tail > 0) {
+    encode_2d(codes_tail, "weight codes (last feature tile)", CU_TENSOR_MAP_DATA_TYPE_UINT64, c, static_cast<uint64_t>(k),
+              mrows, static_cast<uint64_t>(k) * 8, static_cast<uint32_t>(cfg.bk), static_cast<uint32_t>(tail),
+              CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+    encode_2d(scales_tail, "block scales (last feature tile)", CU_TENSOR_MAP_DATA_TYPE_UINT64, s,
+              static_cast<uint64_t>(k / 8), mrows, static_cast<uint64_t>(k), static_cast<uint32_t>(cfg.bk / 8),
+              static_cast<uint32_t>(tail), CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  }
   // activations: 64 bf16 (128 B) x w rows per slab, 128-byte swizzle (wgmma's K-major layout), for each
   // token-tile width w = bt/4, bt/2, 3bt/4, bt
   for (int i = 0; i < 4; ++i)
@@ -77,10 +88,11 @@ void encode_set(CUtensorMap& codes, CUtensorMap& scales, CUtensorMap (&act)[4], 
 
 void encode_tma_maps(kernels::GroupedGemmTmaMaps& maps, const TileConfig& cfg, const GroupedWeightsView& w,
                      const GroupedGemmArgs& a, const GroupedWeightsView* xw, const GroupedGemmArgs* xa) {
-  encode_set(maps.codes, maps.scales, maps.act, cfg, w.codes, w.scales, w.num_experts, w.n, w.k, a.act, a.max_rows);
+  encode_set(maps.codes, maps.scales, maps.act, maps.codes_tail, maps.scales_tail, cfg, w.codes, w.scales, w.num_experts,
+             w.n, w.k, a.act, a.max_rows);
   if (xw != nullptr)
-    encode_set(maps.x_codes, maps.x_scales, maps.x_act, cfg, xw->codes, xw->scales, 1, xw->n, xw->k, xa->act,
-               xa->max_rows);
+    encode_set(maps.x_codes, maps.x_scales, maps.x_act, maps.x_codes_tail, maps.x_scales_tail, cfg, xw->codes,
+               xw->scales, 1, xw->n, xw->k, xa->act, xa->max_rows);
 }
 
 }  // namespace fp4moe::detail

@@ -205,9 +205,15 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
 // The tma kernel's stage: the bytes its TMA copies complete on the stage's full barrier: codes, scales,
 // and bk/64 activation slabs of `rows` rows (the copy box: bt/4, bt/2, 3bt/4 or bt rows; boxes past the
 // tensor's end are zero-filled and still counted). The stage's space is sized for bt rows.
-constexpr uint32_t tma_stage_tx_bytes(const TileConfig& c, int rows) {
-  return static_cast<uint32_t>(c.bn / 16) * (c.bk / 64) * 512 + static_cast<uint32_t>(c.bn / 16) * (c.bk / 64) * 64 +
-         static_cast<uint32_t>(rows) * c.bk * 2;
+// A feature tile whose m-tile rows reach past N (its last, where n/16 is not a multiple of bn/16) copies
+// only tail = (n/16) % (bn/16) of them (GroupedGemmTmaMaps' tail maps); 0 for every other tile.
+constexpr int tma_tail_mtiles(int ftile, int mtiles_per_tile, int64_t n) {
+  const int expert_mtiles = static_cast<int>(n / 16);
+  return (ftile + 1) * mtiles_per_tile > expert_mtiles ? expert_mtiles - ftile * mtiles_per_tile : 0;
+}
+constexpr uint32_t tma_stage_tx_bytes(const TileConfig& c, int rows, int tail_mtiles = 0) {
+  const uint32_t mts = static_cast<uint32_t>(tail_mtiles > 0 ? tail_mtiles : c.bn / 16);
+  return mts * (c.bk / 64) * 512 + mts * (c.bk / 64) * 64 + static_cast<uint32_t>(rows) * c.bk * 2;
 }
 
 // The tma kernel's wgmma widths per token tile: a work tile of r rows runs the narrowest listed width

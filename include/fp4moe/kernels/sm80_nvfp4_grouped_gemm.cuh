@@ -43,9 +43,15 @@ enum EpilogueKind : int { kEpiPlain = 0, kEpiSwiGLU = 1, kEpiGptOss = 2 };
 // its wgmma width reads.
 // The tma kernel's producer addresses the maps by their index from `codes`: codes, scales, act[4] in
 // this order, the extra set's from 6.
+// The tail maps copy the rows of an expert's last feature tile where n/16 is not a multiple of bn/16 (box
+// height (n/16) % (bn/16) m-tile rows; unused, zero, otherwise): gpt-oss-120b's N = 5760 and 2880 in 256-row
+// tiles end half and a quarter full, and the full box read the next expert's first rows there, which the
+// epilogue then dropped. The rest of the stage keeps an earlier copy's bytes: the rows they feed are past
+// N, where no m-tile is stored (an A row of the MMA reaches no other row).
 struct GroupedGemmTmaMaps {
   CUtensorMap codes, scales, act[4];
   CUtensorMap x_codes, x_scales, x_act[4];
+  CUtensorMap codes_tail, scales_tail, x_codes_tail, x_scales_tail;
 };
 static_assert(offsetof(GroupedGemmTmaMaps, x_codes) == 6 * sizeof(CUtensorMap) &&
                   offsetof(GroupedGemmTmaMaps, x_act) == 8 * sizeof(CUtensorMap),

@@ -278,9 +278,14 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
                                              TmaTokenTiles<kCfg>{p.tma_cut});
           int wsel = 3;
           tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
-          const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
-          const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
-          const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
+          // a feature tile past N copies only its expert's rows (tail maps; tma_tail_mtiles)
+          const int tail = tma_tail_mtiles(t.ftile, MT, p.n);
+          const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4), tail);
+          const GroupedGemmTmaMaps& maps = p.tma;
+          const CUtensorMap* m_codes =
+              tail > 0 ? (t.extra ? &maps.x_codes_tail : &maps.codes_tail) : (t.extra ? &maps.x_codes : &maps.codes);
+          const CUtensorMap* m_scales =
+              tail > 0 ? (t.extra ? &maps.x_scales_tail : &maps.scales_tail) : (t.extra ? &maps.x_scales : &maps.scales);
           const CUtensorMap* m_act = (t.extra ? p.tma.x_act : p.tma.act) + wsel;
           const int mrow = (t.extra ? 0 : t.expert * (p.n / 16)) + t.ftile * MT;
           const int pre = min(STAGES, KT);
@@ -341,9 +346,14 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       // the consumers' width, and the activation map whose box has that many rows
       int wsel = 3;
       tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
-      const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4));
-      const CUtensorMap* m_codes = t.extra ? &p.tma.x_codes : &p.tma.codes;
-      const CUtensorMap* m_scales = t.extra ? &p.tma.x_scales : &p.tma.scales;
+      // a feature tile past N copies only its expert's rows (tail maps; tma_tail_mtiles)
+      const int tail = tma_tail_mtiles(t.ftile, MT, p.n);
+      const uint32_t tx = tma_stage_tx_bytes(kCfg, (wsel + 1) * (BT / 4), tail);
+      const GroupedGemmTmaMaps& maps = p.tma;
+      const CUtensorMap* m_codes =
+          tail > 0 ? (t.extra ? &maps.x_codes_tail : &maps.codes_tail) : (t.extra ? &maps.x_codes : &maps.codes);
+      const CUtensorMap* m_scales =
+          tail > 0 ? (t.extra ? &maps.x_scales_tail : &maps.scales_tail) : (t.extra ? &maps.x_scales : &maps.scales);
       const CUtensorMap* m_act = (t.extra ? p.tma.x_act : p.tma.act) + wsel;
       const int mrow = (t.extra ? 0 : t.expert * (p.n / 16)) + t.ftile * MT;  // first m-tile row of the map
 #pragma unroll 1
