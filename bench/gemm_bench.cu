@@ -137,6 +137,23 @@ std::vector<GemmBenchRow> run_gemm_bench(const MoeConfig& cfg, const GemmBenchOp
       cfg.activation == Activation::kGptOssSwiGLU ? GemmEpilogue::kGptOssSwiGLU : GemmEpilogue::kSwiGLU;
   Fp4Weights w1 = make_fp4_weights(E, 2 * I, H, true, opt.seed, stream);
   Fp4Weights w2 = make_fp4_weights(E, H, I, false, opt.seed + 7, stream);
+  // The model's per-row biases (gpt-oss-120b): the layer's tile ends load them, so these GEMMs do too.
+  DeviceBuffer<float> bias1, bias2;
+  if (cfg.expert_bias) {
+    auto random_bias = [&](int64_t count, uint64_t seed) {
+      std::vector<float> b(static_cast<size_t>(count));
+      uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+      for (auto& v : b) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        v = static_cast<float>(static_cast<int64_t>(x % 2001) - 1000) * 1e-4f;
+      }
+      return DeviceBuffer<float>(b);
+    };
+    bias1 = random_bias(E * 2 * I, opt.seed + 31);
+    bias2 = random_bias(E * H, opt.seed + 37);
+    w1.view.bias = bias1.get();
+    w2.view.bias = bias2.get();
+  }
   DeviceBuffer<__nv_bfloat16> x1(max_rows * H), act(max_rows * I), y2(max_rows * H);
   DeviceBuffer<float> row_scale(max_rows);
   fill_random_bf16(x1.get(), x1.size(), 1.0f, opt.seed + 11, stream);

@@ -35,7 +35,7 @@ struct DeviceBuffer {
 };
 
 struct InputSet {
-  std::unique_ptr<DeviceBuffer> codes, scales, gscale, act, offsets, out;
+  std::unique_ptr<DeviceBuffer> codes, scales, gscale, bias, act, offsets, out;
 };
 
 class Progress {
@@ -160,6 +160,13 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
                                     swiglu, s.codes->as<uint8_t>(), s.scales->as<uint8_t>(), stream);
         s.gscale = std::make_unique<DeviceBuffer>(static_cast<size_t>(E) * 4);
         copy_to_device(s.gscale->p, h_gs.data(), static_cast<size_t>(E) * 4);
+        if (pr.bias) {  // the model's per-row biases, small values (their time is the loads, not the values)
+          std::vector<float> h_bias(static_cast<size_t>(E * n));
+          std::normal_distribution<float> bd(0.0f, 0.1f);
+          for (auto& b : h_bias) b = bd(rng);
+          s.bias = std::make_unique<DeviceBuffer>(h_bias.size() * 4);
+          copy_to_device(s.bias->p, h_bias.data(), h_bias.size() * 4);
+        }
         std::vector<uint16_t> h_act(static_cast<size_t>(max_rows) * k);
         std::normal_distribution<float> nd(0.0f, 1.0f);
         for (auto& a : h_act) a = bf16_bits(nd(rng));
@@ -176,6 +183,7 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
     entry["problem"] = {{"experts", E}, {"top_k", pr.top_k}, {"n", n}, {"k", k},
                         {"weight_format", pr.weight_format}, {"act_format", pr.act_format},
                         {"epilogue", epilogue_name(pr.epilogue)}};
+    if (pr.bias) entry["problem"]["bias"] = true;
     entry["input_sets"] = sets;
     entry["buckets"] = nlohmann::json::array();
 
@@ -212,6 +220,7 @@ nlohmann::json run_tuner(const std::vector<TuneProblem>& problems, const TuneOpt
           w.codes = s.codes->as<uint8_t>();
           w.scales = s.scales->as<uint8_t>();
           w.global_scale = s.gscale->as<float>();
+          w.bias = s.bias ? s.bias->as<float>() : nullptr;
           GroupedGemmArgs a;
           a.act = s.act->p;
           a.expert_offsets = s.offsets->as<int32_t>();

@@ -117,6 +117,7 @@ void register_tune(CLI::App& app) {
       g2.epilogue = GemmEpilogue::kPlain;
       // the layer fuses a shared expert into the routed launches below one row per expert
       g1.shared_expert_fused = g2.shared_expert_fused = m.num_shared > 0;
+      g1.bias = g2.bias = m.expert_bias;
       problems = {g1, g2};
       if (m.num_shared > 0) {
         // The shared expert's own launches (beyond 8 token tiles of the routed tile, the layer runs it

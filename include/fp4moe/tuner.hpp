@@ -28,6 +28,10 @@ struct TuneProblem {
   // The tuner's rule below one row per expert (tuner_may_pick): whether the layer fuses a shared
   // expert's rows into this GEMM's launch there. Not part of the key; recorded in each bucket.
   bool shared_expert_fused = true;
+  // Whether the model's GEMM adds per-row biases (gpt-oss-120b), which the tuner then times too: each tile
+  // end loads them, and in the one-CTA tma configs that round trip idles the SM (the GEMMs without them
+  // ranked the configs unlike the layer; bench/NOTES.md, twenty-seventh session). Not part of the key.
+  bool bias = false;
   std::string key() const;       // "E256_N4096_K6144_nvfp4_bf16_swiglu"
 };
 
