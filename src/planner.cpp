@@ -111,8 +111,13 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
   const size_t rs = c.mma == 3 ? static_cast<size_t>(c.warps) * c.bt * 4 : 0;
   const size_t rs_pad = pad_to(rs, 128);
   p.row_scale_bytes = rs + rs_pad;
-  p.total_bytes = p.sched_offset + p.sched_bytes + p.barrier_bytes + p.row_scale_bytes;
-  p.padding_bytes = (codes_pad + scales_pad + act_pad + stage_pad) * c.stages + sched_pad + bars_pad + rs_pad;
+  // and its copy of the tile's biases, 16 floats per m16 tile it holds (where the launch has biases)
+  const size_t bias = tma_stages_bias(c) ? static_cast<size_t>(c.warps) * c.wm() * 16 * 4 : 0;
+  const size_t bias_pad = pad_to(bias, 128);
+  p.bias_bytes = bias + bias_pad;
+  p.total_bytes = p.sched_offset + p.sched_bytes + p.barrier_bytes + p.row_scale_bytes + p.bias_bytes;
+  p.padding_bytes =
+      (codes_pad + scales_pad + act_pad + stage_pad) * c.stages + sched_pad + bars_pad + rs_pad + bias_pad;
 
   auto line = [&](std::string what, std::string formula, size_t bytes) {
     p.lines.push_back({std::move(what), std::move(formula), bytes});
@@ -142,9 +147,15 @@ Sm80SmemPlan plan_sm80_smem(const TileConfig& c, int64_t k) {
     line("row scales", fmt::format("warps * bt * 4 = {} * {} * 4 (fp32, a copy per consumer warp){}", c.warps,
                                    c.bt, rs_pad ? fmt::format(" + {} pad", rs_pad) : ""),
          p.row_scale_bytes);
+    if (tma_stages_bias(c))
+      line("biases", fmt::format("warps * wm * 16 * 4 = {} * {} * 16 * 4 (fp32, a copy per consumer warp){}", c.warps,
+                                 c.wm(), bias_pad ? fmt::format(" + {} pad", bias_pad) : ""),
+           p.bias_bytes);
   }
   line("total dynamic shared memory",
-       c.mma == 3 ? "pipeline + scheduler + mbarriers + row scales" : "pipeline + scheduler", p.total_bytes);
+       c.mma == 3 ? (tma_stages_bias(c) ? "pipeline + scheduler + mbarriers + row scales + biases"
+                                   : "pipeline + scheduler + mbarriers + row scales")
+                  : "pipeline + scheduler", p.total_bytes);
   return p;
 }
 

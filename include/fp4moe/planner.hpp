@@ -50,6 +50,7 @@ struct Sm80SmemPlan {
   size_t sched_offset = 0, sched_bytes = 0, total_bytes = 0;
   size_t barrier_bytes = 0;  // tma configs: full + empty mbarrier per stage
   size_t row_scale_bytes = 0;  // tma configs: bt floats per consumer warp (the epilogue's routing weights)
+  size_t bias_bytes = 0;       // tma configs: 16 floats per m16 tile of a consumer warp (the epilogue's biases)
   size_t padding_bytes = 0;  // 128-byte alignment padding included above
   std::vector<SmemLine> lines;
 };

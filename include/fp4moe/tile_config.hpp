@@ -168,6 +168,11 @@ static_assert(TmaTileRing::kSlots * sizeof(int32_t) <= TmaTileRing::kFullOffset,
 static_assert(TmaTileRing::kOffset % 8 == 0, "mbarriers are 8-byte aligned (the scheduler starts 1024-aligned)");
 static_assert(TmaTileRing::kBytes <= kTmaTileSlots * sizeof(int32_t), "the ring fits in the reserved tile slots");
 
+// The tma configs whose consumer warps stage their tile's biases in shared memory (bias_offset): the narrow
+// token tiles. The wide ones (bt >= 128) prefetch them into L1 at the tile start, as before (bench/NOTES.md,
+// twenty-seventh session).
+constexpr bool tma_stages_bias(const TileConfig& c) { return c.mma == 3 && c.bt < 128; }
+
 struct GemmSmemLayout {
   size_t act_bytes;      // per stage: bt x bk x 2 B (bf16), [bk/64 slabs][bt rows][128 B]
   size_t codes_bytes;    // per stage: (bn/16) m-tiles x (bk/64) chunks x 512 B
@@ -181,6 +186,8 @@ struct GemmSmemLayout {
   size_t bar_bytes;      // 0 for the other kinds
   size_t rs_offset;      // tma configs: float[warps][bt] row scales
   size_t rs_bytes;       // 0 for the other kinds
+  size_t bias_offset;    // tma_stages_bias configs: float[warps][wm][16] the tile's biases (where the launch has them)
+  size_t bias_bytes;     // 0 for the other kinds
   size_t total_bytes;    // dynamic shared memory requested at launch
 };
 
@@ -198,7 +205,9 @@ constexpr GemmSmemLayout gemm_smem_layout(const TileConfig& c) {
   l.bar_bytes = c.mma == 3 ? align_up(static_cast<size_t>(2 * c.stages) * 8, 128) : 0;
   l.rs_offset = l.bar_offset + l.bar_bytes;
   l.rs_bytes = c.mma == 3 ? align_up(static_cast<size_t>(c.warps) * c.bt * 4, 128) : 0;
-  l.total_bytes = l.rs_offset + l.rs_bytes;
+  l.bias_offset = l.rs_offset + l.rs_bytes;
+  l.bias_bytes = tma_stages_bias(c) ? align_up(static_cast<size_t>(c.warps) * c.wm() * 16 * 4, 128) : 0;
+  l.total_bytes = l.bias_offset + l.bias_bytes;
   return l;
 }
 

@@ -209,6 +209,7 @@ TEST(Planner, TmaConfigHandCounted) {
   EXPECT_EQ(p.sched_bytes, 2176u);
   EXPECT_EQ(p.barrier_bytes, 128u);
   EXPECT_EQ(p.row_scale_bytes, 8192u);
+  EXPECT_EQ(p.bias_bytes, 0u);  // bt 256: the biases are prefetched into L1, not staged (tma_stages_bias)
   EXPECT_EQ(p.total_bytes, 5u * 37888 + 2176 + 128 + 8192);
   EXPECT_EQ(p.padding_bytes, 5u * 512 + 56 + 48);
   // the kernel's own layout (gemm_smem_layout) agrees, and the claimed tiles' ring (indices and their

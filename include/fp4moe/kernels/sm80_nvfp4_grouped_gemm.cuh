@@ -218,10 +218,13 @@ __device__ __forceinline__ int find_expert(int64_t w, const int32_t* prefix, int
 // Guarding each row's whole computation made every store a branch of its own, with its row-scale load
 // inside, so a warp ran its 2 x NT stores as one dependent chain after another while the tensor pipe
 // idled (bench/NOTES.md, tenth session). The values and their rounding are the same either way.
-template <int NT, int EPI, int RS_BATCH = 4, bool FLAT = false>
+// bias_smem (the tma kernel): this m-tile's 16 biases, staged in shared memory at the tile start (plain: the
+// features mt*16 .. +15; SwiGLU: the 8 gate then the 8 up biases of columns mt*8 .. +7), read instead of
+// global memory; null where the launch has no biases, or from global memory as before (the other kernels).
+template <int NT, int EPI, int RS_BATCH = 4, bool FLAT = false, bool BIAS_SMEM = false>
 __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, bool xs, int mt, int row0, int rows,
                                             int valid_nt, const float (&acc)[NT][4],
-                                            const float* rs_smem = nullptr) {
+                                            const float* rs_smem = nullptr, const float* bias_smem = nullptr) {
   static_assert(!FLAT || RS_BATCH == 0 || EPI != kEpiPlain, "the flat epilogue reads row scales from shared memory");
   // An m-tile past N has nothing to store. The flat SwiGLU epilogue does not return for it: its warp still
   // runs the n-tile loop, with its loads and stores predicated off. That loop holds a movmatrix (below),
@@ -240,7 +243,12 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
   if constexpr (EPI == kEpiPlain) {
     const int f = mt * 16 + 2 * g;  // features f, f+1 held in acc[..][0|1] and [2|3]
     float b0 = 0.f, b1 = 0.f;
-    if (bias != nullptr) {
+    if constexpr (BIAS_SMEM) {
+      if (bias_smem != nullptr) {
+        b0 = bias_smem[2 * g];
+        b1 = bias_smem[2 * g + 1];
+      }
+    } else if (bias != nullptr) {
       b0 = __ldg(bias + f);
       b1 = __ldg(bias + f + 1);
     }
@@ -303,7 +311,12 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
     const int jn = mt * 8 + g;  // output column (gate row jn, up row n/2 + jn)
     const int half = p.n / 2;
     float bg = 0.f, bu = 0.f;
-    if (bias != nullptr && live_mt) {
+    if constexpr (BIAS_SMEM) {
+      if (bias_smem != nullptr && live_mt) {
+        bg = bias_smem[g];
+        bu = bias_smem[8 + g];
+      }
+    } else if (bias != nullptr && live_mt) {
       bg = __ldg(bias + jn);
       bu = __ldg(bias + half + jn);
     }

@@ -419,7 +419,13 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   // -5.4% (bench/NOTES.md, tenth session). The narrow tiles keep the guarded form: there the flat one
   // computed n-tiles past the tile's rows and ran level to 1% slower.
   constexpr bool kFlatEpilogue = BT >= 128;
+  constexpr bool kStageBias = tma_stages_bias(kCfg);  // the narrow tiles (below)
   const uint32_t rs_off = static_cast<uint32_t>(kL.rs_offset) + static_cast<uint32_t>(cw * BT * 4);
+  // This warp's biases of the tile (16 per m-tile; tile_config.hpp's bias_offset), staged like the row scales:
+  // loaded at the tile end they were a DRAM round trip (gpt-oss-120b's 2.9 MB of biases are cold in L2)
+  // with both consumer warpgroups of a one-CTA config waiting on it: its GEMM1 ran 10% slower with them
+  // than without (bench/NOTES.md, twenty-seventh session).
+  const uint32_t bias_off = static_cast<uint32_t>(kL.bias_offset) + static_cast<uint32_t>(cw * C::WM * 16 * 4);
   // This warp's m-tile i of a work tile (within the expert's N): warpgroup cw / 4 holds WM m64 tiles, the
   // warp the (cw % 4)-th m16 of each.
   auto mtile_of = [&](const WorkTile& t, int i) { return t.ftile * MT + ((cw >> 2) * C::WM + i) * 4 + (cw & 3); };
@@ -449,6 +455,20 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
           cp_async4(smem_base + rs_off + 4 * r, p.row_scale + t.row0 + r);
         else
           reinterpret_cast<float*>(smem + rs_off)[r] = 1.0f;  // rows past the tile: read, never stored
+      }
+      cp_async_commit();
+    }
+    // (the wide tiles prefetch them into L1 instead, below: staged, qwen3-30b's bt 128 GEMM1 at T = 1023 ran 3-5%
+    // slower on an H100, its K loop's code moved, without biases to stage)
+    const float* tile_bias = !kStageBias ? nullptr
+                             : t.extra   ? p.x_bias
+                                         : (p.bias != nullptr ? p.bias + static_cast<int64_t>(t.expert) * p.n : nullptr);
+    if (tile_bias != nullptr) {  // uniform over the CTA (the launch's, and per set)
+      if constexpr (!kStageRs) __syncwarp();  // the last tile's reads of the buffer precede its refill
+      if (lane < 16 * C::WM) {
+        const int mt = mtile_of(t, lane >> 4), j = lane & 15;
+        const int f = EPI == kEpiPlain ? mt * 16 + j : (j < 8 ? mt * 8 + j : p.n / 2 + mt * 8 + (j - 8));
+        if (mt < p.n / 16) cp_async4(smem_base + bias_off + 4 * lane, tile_bias + f);
       }
       cp_async_commit();
     }
@@ -482,15 +502,17 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       C::template mainloop<decltype(width)::value>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase);
     });
     const float* s_rs = reinterpret_cast<const float*>(smem + rs_off);
-    if constexpr (kStageRs) {
+    if (kStageRs || (kStageBias && tile_bias != nullptr)) {
       cp_async_wait<0>();
       __syncwarp();  // every lane's copies are visible to the warp
     }
+    const float* s_bias = tile_bias != nullptr ? reinterpret_cast<const float*>(smem + bias_off) : nullptr;
     const int valid_nt = (t.rows + 7) >> 3;
 #pragma unroll
     for (int i = 0; i < C::WM; ++i)
-      store_mtile<C::NT, EPI, kStageRs ? 0 : 4, kFlatEpilogue>(p, t.expert, t.extra, mtile_of(t, i), t.row0, t.rows,
-                                                               valid_nt, acc[i], s_rs);
+      store_mtile<C::NT, EPI, kStageRs ? 0 : 4, kFlatEpilogue, kStageBias>(p, t.expert, t.extra, mtile_of(t, i), t.row0,
+                                                                     t.rows, valid_nt, acc[i], s_rs,
+                                                                     s_bias != nullptr ? s_bias + i * 16 : nullptr);
   }
 #else
   __trap();  // TMA + wgmma + setmaxnreg: sm_90a only; the launcher refuses these configs elsewhere
