@@ -248,10 +248,11 @@ Sm80Plan plan_sm80(const TileConfig& cfg, const ArchInfo& arch, size_t static_sm
     const size_t fixed = p.smem.sched_bytes + static_smem;
     p.max_stages_that_fit = limit > fixed ? static_cast<int>((limit - fixed) / p.smem.stage_bytes) : 0;
     // tma configs: each stage also has two 8-byte mbarriers (their region padded to 128 bytes), and the
-    // row-scale copies follow
+    // row-scale and bias copies follow
     while (cfg.mma == 3 && p.max_stages_that_fit > 0 &&
-           fixed + p.max_stages_that_fit * p.smem.stage_bytes +
-                   (p.max_stages_that_fit * 16 + 127) / 128 * 128 + p.smem.row_scale_bytes > limit)
+           fixed + p.max_stages_that_fit * p.smem.stage_bytes + (p.max_stages_that_fit * 16 + 127) / 128 * 128 +
+                   p.smem.row_scale_bytes + p.smem.bias_bytes >
+               limit)
       --p.max_stages_that_fit;
   }
 

@@ -109,7 +109,9 @@ int explain_sm80(const ExplainArgs& a, const ArchInfo& arch) {
       fmt::print("  stages that fit {} B: ({} - {}) / {} = {}{}\n", with_commas(arch.smem_optin_per_block),
                  with_commas(arch.smem_optin_per_block), with_commas(p.smem.sched_bytes),
                  with_commas(p.smem.stage_bytes), p.max_stages_that_fit,
-                 cfg.mma == 3 ? " (with 16 B of mbarriers per stage, in 128-byte blocks)" : "");
+                 cfg.mma == 3 ? " (with 16 B of mbarriers per stage, in 128-byte blocks, and the row scales' and "
+                                "biases' copies)"
+                              : "");
       fmt::print("registers (estimate): {}\n", p.regs.formula);
       if (cfg.mma == 3) {
         // the instruction widths this config's kernel is instantiated for (tile_config.hpp, tma_widths)
