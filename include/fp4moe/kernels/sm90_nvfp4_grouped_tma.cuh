@@ -458,7 +458,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       }
       cp_async_commit();
     }
-    // (the wide tiles prefetch them into L1 instead, below: staged, qwen3-30b's bt 128 GEMM1 at T = 1023 ran 3-5%
+    // (the wide tiles prefetch them into L1 instead, below: staged, qwen3-30b's bt 128 GEMM1 at T = 1023 ran 3-6%
     // slower on an H100, its K loop's code moved, without biases to stage)
     const float* tile_bias = !kStageBias ? nullptr
                              : t.extra   ? p.x_bias
