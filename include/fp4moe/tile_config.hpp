@@ -148,24 +148,43 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 // in flight during it (no bytes; the tma configs' row scales are its only shared memory).
 // The tma kernel's handoff of claimed work tiles (GroupedGemmArgs::tile_counter), in kTmaTileSlots int32
 // reserved after the scheduler's prefix and total (they fit in its 128-byte padding): a ring of kSlots
-// tile indices with a "full" and an "empty" mbarrier each. The producer writes the index of each tile it
-// is about to fill (or -1 at the end) into slot ti % kSlots once the consumers freed it, and arrives on
-// its full barrier; every consumer lane waits there at the tile start, reads the index and arrives on
-// the empty one (32 x warps arrivals: each lane releases its own read). The ring is apart from the
-// stages' barriers so the producer's per-stage path is the static shares' (bench/NOTES.md, twelfth
-// session); two slots let the producer run up to two tiles ahead, more than a ring of stages wherever a
-// tile has at least `stages` K steps.
-inline constexpr int kTmaTileSlots = 16;
+// slots with a "full" and an "empty" mbarrier each, and a ring of kScaleSlots global-scale pairs. A slot
+// holds a tile the producer decoded (expert, feature tile, first row, rows; expert -1 at the end); the
+// scale pair of tile ti (plain: the expert's global scale; SwiGLU: gate and up) goes to scale slot
+// ti % kScaleSlots, written before the tile slot's full barrier is arrived on. The producer fills slot
+// ti % kSlots once the consumers freed it; every consumer lane waits on its full barrier at the tile start,
+// reads the tile and arrives on the empty one (32 x warps arrivals: each lane releases its own read), and
+// reads the scales in its epilogue: twice as many scale slots as tile slots, because the producer can hand
+// tile ti + kSlots over once tile ti has started, i.e. while tile ti - 1 may still be in its epilogue.
+// Decoded by the consumers, each tile start was a binary search of the prefix and an L2 round trip for the
+// expert's offsets, and each tile end another for its global scale, with the tensor pipe idle: 9-11% of the
+// warps' samples in qwen3-30b's GEMMs at T = 128 (K = 768 and 2048: short tiles), 2-3% in GLM-5's
+// (bench/NOTES.md, twenty-eighth session). The ring is apart from the stages' barriers so the producer's
+// per-stage path is the static shares' (twelfth session); two slots let the producer run up to two tiles
+// ahead, more than a ring of stages wherever a tile has at least `stages` K steps.
+struct TmaTileSlot {
+  int32_t expert, ftile, row0, rows;  // the decoded tile (WorkTile); expert < 0: no more tiles
+};
+struct TmaScaleSlot {
+  float gs, gs_up;  // the epilogue's global scales, as stored (gs_up = gs where the launch has none)
+};
 struct TmaTileRing {
   static constexpr int kSlots = 2;                                      // a power of two
-  static constexpr size_t kOffset = (kMaxExperts + 2) * sizeof(int32_t);  // from the scheduler's start
-  static constexpr uint32_t kFullOffset = 8;                            // from the slots: full[kSlots]
-  static constexpr uint32_t kEmptyOffset = kFullOffset + 8 * kSlots;     // then empty[kSlots]
+  static constexpr int kScaleSlots = 2 * kSlots;
+  // from the scheduler's start: after the prefix and total, 16-byte aligned (one 16-byte load per tile)
+  static constexpr size_t kOffset = ((kMaxExperts + 2) * sizeof(int32_t) + 15) / 16 * 16;
+  static constexpr uint32_t kSlotBytes = sizeof(TmaTileSlot);
+  static constexpr uint32_t kScaleOffset = kSlotBytes * kSlots;         // from the slots: scales[kScaleSlots]
+  static constexpr uint32_t kFullOffset = kScaleOffset + sizeof(TmaScaleSlot) * kScaleSlots;  // full[kSlots]
+  static constexpr uint32_t kEmptyOffset = kFullOffset + 8 * kSlots;    // then empty[kSlots]
   static constexpr uint32_t kBytes = kEmptyOffset + 8 * kSlots;
 };
+inline constexpr int kTmaTileSlots =
+    static_cast<int>((TmaTileRing::kOffset + TmaTileRing::kBytes) / sizeof(int32_t)) - (kMaxExperts + 2);
+static_assert(sizeof(TmaTileSlot) == 16 && sizeof(TmaScaleSlot) == 8, "a tile is one 16-byte access");
 static_assert((TmaTileRing::kSlots & (TmaTileRing::kSlots - 1)) == 0, "the ring's slot is ti & (kSlots - 1)");
-static_assert(TmaTileRing::kSlots * sizeof(int32_t) <= TmaTileRing::kFullOffset, "the indices precede the barriers");
-static_assert(TmaTileRing::kOffset % 8 == 0, "mbarriers are 8-byte aligned (the scheduler starts 1024-aligned)");
+static_assert(TmaTileRing::kOffset % 16 == 0, "a slot's tile is one 16-byte load (the scheduler starts 1024-aligned)");
+static_assert(TmaTileRing::kFullOffset % 8 == 0, "mbarriers are 8-byte aligned");
 static_assert(TmaTileRing::kBytes <= kTmaTileSlots * sizeof(int32_t), "the ring fits in the reserved tile slots");
 
 // The tma configs whose consumer warps stage their tile's biases in shared memory (bias_offset): the narrow

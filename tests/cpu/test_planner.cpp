@@ -211,13 +211,15 @@ TEST(Planner, TmaConfigHandCounted) {
   EXPECT_EQ(p.row_scale_bytes, 8192u);
   EXPECT_EQ(p.bias_bytes, 0u);  // bt 256: the biases are prefetched into L1, not staged (tma_stages_bias)
   EXPECT_EQ(p.total_bytes, 5u * 37888 + 2176 + 128 + 8192);
-  EXPECT_EQ(p.padding_bytes, 5u * 512 + 56 + 48);
-  // the kernel's own layout (gemm_smem_layout) agrees, and the claimed tiles' ring (indices and their
-  // mbarriers: 2 * 4 + 2 * 2 * 8 = 40 bytes, 8-byte aligned) fits in the slots reserved after the prefix
+  EXPECT_EQ(p.padding_bytes, 5u * 512 + 16 + 48);
+  // the kernel's own layout (gemm_smem_layout) agrees, and the claimed tiles' ring (two 16-byte tile slots,
+  // the first 16-byte aligned, four scale pairs and the slots' mbarriers) fits in the slots reserved after
+  // the prefix, within the scheduler's 128-byte padding as before
   const GemmSmemLayout l = gemm_smem_layout(c);
   EXPECT_EQ(l.total_bytes, p.total_bytes);
-  EXPECT_EQ(TmaTileRing::kOffset, 2056u);
-  EXPECT_EQ(TmaTileRing::kBytes, 40u);
+  EXPECT_EQ(TmaTileRing::kOffset, 2064u);
+  EXPECT_EQ(TmaTileRing::kBytes, 96u);  // 2 x 16 (tiles) + 4 x 8 (scales) + 2 x 2 x 8 (barriers)
+  EXPECT_EQ(kTmaTileSlots, 26);
   EXPECT_LE(TmaTileRing::kOffset + TmaTileRing::kBytes, (kMaxExperts + 2 + kTmaTileSlots) * 4u);
   EXPECT_LE((kMaxExperts + 2 + kTmaTileSlots) * 4u, l.sched_bytes);
   EXPECT_EQ((l.sched_offset + TmaTileRing::kOffset + TmaTileRing::kFullOffset) % 8, 0u);

@@ -221,10 +221,13 @@ __device__ __forceinline__ int find_expert(int64_t w, const int32_t* prefix, int
 // bias_smem (the tma kernel): this m-tile's 16 biases, staged in shared memory at the tile start (plain: the
 // features mt*16 .. +15; SwiGLU: the 8 gate then the 8 up biases of columns mt*8 .. +7), read instead of
 // global memory; null where the launch has no biases, or from global memory as before (the other kernels).
-template <int NT, int EPI, int RS_BATCH = 4, bool FLAT = false, bool BIAS_SMEM = false>
+// gs_smem (the tma kernel's claimed tiles, GS_SMEM): the expert's global scale and SwiGLU's up scale (the same
+// value where the launch has none), copied into shared memory by the producer; null: loaded here as before.
+template <int NT, int EPI, int RS_BATCH = 4, bool FLAT = false, bool BIAS_SMEM = false, bool GS_SMEM = false>
 __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, bool xs, int mt, int row0, int rows,
                                             int valid_nt, const float (&acc)[NT][4],
-                                            const float* rs_smem = nullptr, const float* bias_smem = nullptr) {
+                                            const float* rs_smem = nullptr, const float* bias_smem = nullptr,
+                                            const float* gs_smem = nullptr) {
   static_assert(!FLAT || RS_BATCH == 0 || EPI != kEpiPlain, "the flat epilogue reads row scales from shared memory");
   // An m-tile past N has nothing to store. The flat SwiGLU epilogue does not return for it: its warp still
   // runs the n-tile loop, with its loads and stores predicated off. That loop holds a movmatrix (below),
@@ -236,7 +239,8 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
   if (!kNoReturn && !live_mt) return;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  const float gs = __ldg(xs ? p.x_global_scale : p.global_scale + e) * layout::kAccumulatorScale;
+  const float gs = (GS_SMEM && gs_smem != nullptr ? gs_smem[0] : __ldg(xs ? p.x_global_scale : p.global_scale + e)) *
+                   layout::kAccumulatorScale;
   const float* bias = xs ? p.x_bias : (p.bias != nullptr ? p.bias + static_cast<int64_t>(e) * p.n : nullptr);
   const float* row_scale = xs ? nullptr : p.row_scale;
   __nv_bfloat16* out = xs ? p.x_out : p.out;
@@ -307,7 +311,9 @@ __device__ __forceinline__ void store_mtile(const GroupedGemmParams& p, int e, b
     }
   } else {
     const float* gup = xs ? p.x_global_scale_up : (p.global_scale_up != nullptr ? p.global_scale_up + e : nullptr);
-    const float gs_up = gup != nullptr ? __ldg(gup) * layout::kAccumulatorScale : gs;
+    const float gs_up = GS_SMEM && gs_smem != nullptr ? gs_smem[1] * layout::kAccumulatorScale
+                        : gup != nullptr                ? __ldg(gup) * layout::kAccumulatorScale
+                                                        : gs;
     const int jn = mt * 8 + g;  // output column (gate row jn, up row n/2 + jn)
     const int half = p.n / 2;
     float bg = 0.f, bu = 0.f;
@@ -377,10 +383,11 @@ template <int BT>
 struct PlainTokenTiles {
   __device__ TokenTile operator()(int n, int tt) const { return {tt * BT, min(BT, n - tt * BT)}; }
 };
+// decode_tile_of: the same, with the tile's expert lo = find_expert(w, prefix, experts) already found (the
+// tma kernel's producer loads the expert's global scales before the offsets' round trip).
 template <int BT, class Cut = PlainTokenTiles<BT>>
-__device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, const GroupedGemmParams& p, int experts,
-                                                Cut cut = Cut{}) {
-  const int lo = find_expert(w, prefix, experts);
+__device__ __forceinline__ WorkTile decode_tile_of(int w, int lo, const int32_t* prefix, const GroupedGemmParams& p,
+                                                   Cut cut = Cut{}) {
   WorkTile t;
   t.expert = lo;
   t.extra = lo >= p.num_experts;
@@ -394,6 +401,11 @@ __device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, co
   t.row0 = a + r.first;
   t.rows = r.rows;
   return t;
+}
+template <int BT, class Cut = PlainTokenTiles<BT>>
+__device__ __forceinline__ WorkTile decode_tile(int w, const int32_t* prefix, const GroupedGemmParams& p, int experts,
+                                                Cut cut = Cut{}) {
+  return decode_tile_of<BT>(w, find_expert(w, prefix, experts), prefix, p, cut);
 }
 
 template <int BN, int BT, int BK, int STAGES, int WARPS, int MMA, int CTAS, int EPI>

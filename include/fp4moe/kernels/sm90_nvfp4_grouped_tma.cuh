@@ -250,12 +250,39 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     const uint64_t pol_w = l2_policy_evict_first(), pol_a = l2_policy_evict_last();
     int stage = 0;
     uint32_t phase = 0;
-    // Tile ti's index (or -1, the end) into ring slot ti % kTileRing, once the consumers have read the
-    // index that slot held before (tile ti - kTileRing), then published on the slot's full barrier.
-    auto hand_over = [&](int ti, int index) {
+    // Tile w, decoded, and its expert's global scales (plain: one; SwiGLU: gate and up, the gate's where the
+    // launch has no up scale): the scales' loads go out before the expert's offsets are read, so that one
+    // round trip covers both. Model weights, final before any predecessor, so also before the wait.
+    auto decode = [&](int w, float& g, float& g_up) {
+      const int lo = find_expert(w, s_prefix, p.num_experts + (p.x_offsets != nullptr ? 1 : 0));
+      const bool x = lo >= p.num_experts;
+      const float* gs = x ? p.x_global_scale : p.global_scale + lo;
+      g = __ldg(gs);
+      g_up = g;
+      if constexpr (EPI != kEpiPlain) {
+        const float* gup = x ? p.x_global_scale_up : (p.global_scale_up != nullptr ? p.global_scale_up + lo : nullptr);
+        if (gup != nullptr) g_up = __ldg(gup);
+      }
+      return decode_tile_of<BT>(w, lo, s_prefix, p, TmaTokenTiles<kCfg>{p.tma_cut});
+    };
+    // Tile ti (decoded) into ring slot ti % kTileRing (TmaTileSlot), once the consumers have read the tile
+    // that slot held before (tile ti - kTileRing), and its global scales into scale slot ti % kScaleSlots;
+    // then published on the slot's full barrier. end: expert -1. (The scales went by cp.async first,
+    // completed on the full barrier with cp.async.mbarrier.arrive: compute-sanitizer's synccheck reported
+    // that arrive as a missing wait.)
+    auto hand_over = [&](int ti, const WorkTile& t, float g, float g_up, bool end) {
       const uint32_t slot = static_cast<uint32_t>(ti & (kTileRing - 1));
+      const uint32_t at = tile_slots + TmaTileRing::kSlotBytes * slot;
       mbar_wait(tile_empty + 8 * slot, ((ti / kTileRing) & 1) ^ 1u);  // a fresh barrier passes parity 1
-      st_shared_s32(tile_slots + 4 * slot, index);
+      if (end) {
+        st_shared_s32(at, -1);
+      } else {
+        st_shared_v4_s32(at, t.expert, t.ftile, t.row0, t.rows);
+        st_shared_v2_f32(tile_slots + TmaTileRing::kScaleOffset +
+                             static_cast<uint32_t>(sizeof(TmaScaleSlot)) *
+                                 static_cast<uint32_t>(ti & (TmaTileRing::kScaleSlots - 1)),
+                         g, g_up);
+      }
       mbar_arrive_if(tile_full + 8 * slot, true);
     };
     // w: the tile to fill; the count is reread from shared memory per tile, not held
@@ -273,9 +300,9 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
       // slower at T = 2048 (bench/NOTES.md, twenty-first session).
       if (p.weights_before_wait) {
         if (KT > 0 && w < s_prefix[kMaxExperts + 1]) {
-          if (p.tile_counter != nullptr) hand_over(ti, w);
-          const WorkTile t = decode_tile<BT>(w, s_prefix, p, p.num_experts + (p.x_offsets != nullptr ? 1 : 0),
-                                             TmaTokenTiles<kCfg>{p.tma_cut});
+          float g, g_up;
+          const WorkTile t = decode(w, g, g_up);
+          if (p.tile_counter != nullptr) hand_over(ti, t, g, g_up, false);
           int wsel = 3;
           tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
           // a feature tile past N copies only its expert's rows (tail maps; tma_tail_mtiles)
@@ -335,14 +362,14 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     }
 #pragma unroll 1
     for (; KT > 0 && w < s_prefix[kMaxExperts + 1]; ++ti) {
-      // Claimed tiles: hand this tile over, then claim the next one now: nothing in this tile's K loop
+      // Claimed tiles: claim the next one now, then hand this one over: nothing in this tile's K loop
       // waits for the atomic (`next` is first read after it), so its ~1 us round trip passes under it.
-      if (p.tile_counter != nullptr) hand_over(ti, w);
       const int next = p.tile_counter != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(p.tile_counter, 1)
                                                  : w + static_cast<int>(gridDim.x);
       // the expert count formed at its use, not held: held (with `next` and ti), it spilled a register
-      const WorkTile t = decode_tile<BT>(w, s_prefix, p, p.num_experts + (p.x_offsets != nullptr ? 1 : 0),
-                                         TmaTokenTiles<kCfg>{p.tma_cut});
+      float g, g_up;
+      const WorkTile t = decode(w, g, g_up);
+      if (p.tile_counter != nullptr) hand_over(ti, t, g, g_up, false);
       // the consumers' width, and the activation map whose box has that many rows
       int wsel = 3;
       tma_with_width<kCfg>(t.rows, [&](auto width) { wsel = (decltype(width)::value - 1) / (BT / 4); });
@@ -384,7 +411,7 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
         p.tile_counter[0] = 0;
         p.tile_counter[1] = 0;
       }
-      hand_over(ti, -1);
+      hand_over(ti, WorkTile{}, 0.f, 0.f, true);
     }
     return;
   }
@@ -431,21 +458,28 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
   auto mtile_of = [&](const WorkTile& t, int i) { return t.ftile * MT + ((cw >> 2) * C::WM + i) * 4 + (cw & 3); };
 #pragma unroll 1
   for (int ti = 0;; ++ti) {
-    int w;
+    WorkTile t;
     if (p.tile_counter != nullptr) {
-      // the producer's index for tile ti (or -1), then this lane's arrive: each reading lane releases the
-      // slot itself (an arrive orders only the arriving thread's own accesses)
+      // the producer's decoded tile ti (TmaTileSlot; expert -1: the end), then this lane's arrive: each
+      // reading lane releases the slot itself (an arrive orders only the arriving thread's own accesses).
+      // The tile's global scales stay in their own slot until the epilogue (TmaTileRing).
       const uint32_t slot = static_cast<uint32_t>(ti & (kTileRing - 1));
       mbar_wait(tile_full + 8 * slot, (ti / kTileRing) & 1);
-      w = reinterpret_cast<const int32_t*>(smem + kL.sched_offset + TmaTileRing::kOffset)[slot];
+      const int4 v = *reinterpret_cast<const int4*>(smem + kL.sched_offset + TmaTileRing::kOffset +
+                                                    TmaTileRing::kSlotBytes * slot);
       mbar_arrive_if(tile_empty + 8 * slot, true);
+      if (v.x < 0) break;
+      t.expert = v.x;
+      t.extra = v.x >= p.num_experts;
+      t.ftile = v.y;
+      t.row0 = v.z;
+      t.rows = v.w;
     } else {
-      w = static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x);
+      const int w = static_cast<int>(blockIdx.x) + ti * static_cast<int>(gridDim.x);
       // the tile count reread from shared memory, not held (the bt-256 tiles' 168 registers spilled it)
-      if (KT <= 0 || w >= s_prefix[kMaxExperts + 1]) w = -1;
+      if (KT <= 0 || w >= s_prefix[kMaxExperts + 1]) break;
+      t = decode_tile<BT>(w, s_prefix, p, E, TmaTokenTiles<kCfg>{p.tma_cut});
     }
-    if (w < 0) break;
-    const WorkTile t = decode_tile<BT>(w, s_prefix, p, E, TmaTokenTiles<kCfg>{p.tma_cut});
     if constexpr (kStageRs) {
       __syncwarp();  // the last tile's reads of the buffer, by every lane, precede its refill
       const bool scaled = !t.extra && p.row_scale != nullptr;
@@ -498,6 +532,12 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
         }
       }
     }
+    // claimed tiles: the global scales the producer copied into the tile's scale slot, read by the epilogue
+    // (0, static shares: store_mtile loads them)
+    const uint32_t gs_off = p.tile_counter != nullptr
+                                ? static_cast<uint32_t>(kL.sched_offset + TmaTileRing::kOffset + TmaTileRing::kScaleOffset +
+                                                        sizeof(TmaScaleSlot) * (ti & (TmaTileRing::kScaleSlots - 1)))
+                                : 0u;
     tma_with_width<kCfg>(t.rows, [&](auto width) {  // uniform over the CTA
       C::template mainloop<decltype(width)::value>(p, smem, smem_base, bar_full, bar_empty, KT, cw, acc, stage, phase);
     });
@@ -508,11 +548,12 @@ __global__ void __launch_bounds__((WARPS + 4) * 32, CTAS > 0 ? CTAS : 1)
     }
     const float* s_bias = tile_bias != nullptr ? reinterpret_cast<const float*>(smem + bias_off) : nullptr;
     const int valid_nt = (t.rows + 7) >> 3;
+    const float* s_gs = gs_off != 0 ? reinterpret_cast<const float*>(smem + gs_off) : nullptr;
 #pragma unroll
     for (int i = 0; i < C::WM; ++i)
-      store_mtile<C::NT, EPI, kStageRs ? 0 : 4, kFlatEpilogue, kStageBias>(p, t.expert, t.extra, mtile_of(t, i), t.row0,
-                                                                     t.rows, valid_nt, acc[i], s_rs,
-                                                                     s_bias != nullptr ? s_bias + i * 16 : nullptr);
+      store_mtile<C::NT, EPI, kStageRs ? 0 : 4, kFlatEpilogue, kStageBias, true>(
+          p, t.expert, t.extra, mtile_of(t, i), t.row0, t.rows, valid_nt, acc[i], s_rs,
+          s_bias != nullptr ? s_bias + i * 16 : nullptr, s_gs);
   }
 #else
   __trap();  // TMA + wgmma + setmaxnreg: sm_90a only; the launcher refuses these configs elsewhere
