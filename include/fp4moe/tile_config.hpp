@@ -157,8 +157,8 @@ constexpr StreamSmemLayout stream_smem_layout(const TileConfig& c, int64_t k) {
 // reads the scales in its epilogue: twice as many scale slots as tile slots, because the producer can hand
 // tile ti + kSlots over once tile ti has started, i.e. while tile ti - 1 may still be in its epilogue.
 // Decoded by the consumers, each tile start was a binary search of the prefix and an L2 round trip for the
-// expert's offsets, and each tile end another for its global scale, with the tensor pipe idle: 9-11% of the
-// warps' samples in qwen3-30b's GEMMs at T = 128 (K = 768 and 2048: short tiles), 2-3% in GLM-5's
+// expert's offsets, and each tile end another for its global scale, with the tensor pipe idle: 8% / 15% of the
+// warps' samples in qwen3-30b's GEMM1 / GEMM2 at T = 128 (K = 2048 and 768: short tiles), 4% in GLM-5's GEMM1
 // (bench/NOTES.md, twenty-eighth session). The ring is apart from the stages' barriers so the producer's
 // per-stage path is the static shares' (twelfth session); two slots let the producer run up to two tiles
 // ahead, more than a ring of stages wherever a tile has at least `stages` K steps.
