@@ -92,14 +92,11 @@ __device__ __forceinline__ void st_shared_s32(uint32_t addr, int32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
-// Four 32-bit values to / from shared memory in one 16-byte access (a claimed tile's slot, TmaTileSlot).
+// Four 32-bit values, and two floats, to shared memory in one access by its shared-window address (the
+// producer's stores of a claimed tile's slot and scale pair, TmaTileRing; the consumers read them through
+// a plain pointer).
 __device__ __forceinline__ void st_shared_v4_s32(uint32_t addr, int32_t a, int32_t b, int32_t c, int32_t d) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
-__device__ __forceinline__ int4 ld_shared_v4_s32(uint32_t addr) {
-  int4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-  return v;
 }
 __device__ __forceinline__ void st_shared_v2_f32(uint32_t addr, float a, float b) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
